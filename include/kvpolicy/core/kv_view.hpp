@@ -1,0 +1,109 @@
+// KVView<T>: non-owning strided view [layer][kv_head][token][head_dim] over an engine's memory.
+// Strides are in elements. HND (head-major, the default) and NHD (token-major, as vLLM and
+// llama.cpp store K) are two stride patterns of the same view; a transposed layout is expressed
+// by a head_dim stride other than 1. Trivially copyable, so it can be passed to a kernel.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+#include "kvpolicy/core/config.hpp"
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/error.hpp"
+
+namespace kvpolicy {
+
+enum class Layout : std::uint8_t { HND, NHD };
+
+template <class T>
+struct KVView {
+  T* data = nullptr;
+  std::int64_t layers = 0, heads = 0, tokens = 0, dim = 0;
+  std::int64_t stride_layer = 0, stride_head = 0, stride_token = 0, stride_dim = 1;
+
+  // Contiguous [layer][head][token][dim].
+  static KVView hnd(T* p, std::int64_t L, std::int64_t H, std::int64_t N, std::int64_t D) {
+    return {p, L, H, N, D, H * N * D, N * D, D, 1};
+  }
+  // Contiguous [layer][token][head][dim].
+  static KVView nhd(T* p, std::int64_t L, std::int64_t H, std::int64_t N, std::int64_t D) {
+    return {p, L, H, N, D, N * H * D, D, H * D, 1};
+  }
+  static KVView make(Layout lay, T* p, std::int64_t L, std::int64_t H, std::int64_t N,
+                     std::int64_t D) {
+    return lay == Layout::HND ? hnd(p, L, H, N, D) : nhd(p, L, H, N, D);
+  }
+
+  KVP_HD T* row(std::int64_t l, std::int64_t h, std::int64_t t) const {
+    return data + l * stride_layer + h * stride_head + t * stride_token;
+  }
+  KVP_HD T& at(std::int64_t l, std::int64_t h, std::int64_t t, std::int64_t i) const {
+    return row(l, h, t)[i * stride_dim];
+  }
+  // One layer as a view with layers == 1.
+  KVView layer(std::int64_t l) const {
+    KVView v = *this;
+    v.data = row(l, 0, 0);
+    v.layers = 1;
+    return v;
+  }
+  // First n tokens.
+  KVView prefix(std::int64_t n) const {
+    KVView v = *this;
+    v.tokens = n;
+    return v;
+  }
+  operator KVView<const T>() const  // NOLINT: implicit view-to-const like std::span
+    requires(!std::is_const_v<T>)
+  {
+    return {data, layers, heads, tokens, dim, stride_layer, stride_head, stride_token, stride_dim};
+  }
+  bool rows_contiguous() const { return stride_dim == 1; }
+};
+
+// Checks shape and strides: positive extents, non-negative strides, and no two elements of the
+// view aliasing each other (sufficient check: sort the strides and require each one to step over
+// the full extent of the smaller ones). `what` names the argument in the message.
+template <class T>
+void validate(const KVView<T>& v, std::string_view what) {
+  KVP_REQUIRE(v.layers >= 0 && v.heads >= 0 && v.tokens >= 0 && v.dim >= 0, what,
+              ": negative extent (layers=", v.layers, ", heads=", v.heads, ", tokens=", v.tokens,
+              ", dim=", v.dim, ")");
+  if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
+  KVP_REQUIRE(v.data != nullptr, what, ": null data pointer");
+  std::int64_t ext[4] = {v.layers, v.heads, v.tokens, v.dim};
+  std::int64_t str[4] = {v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
+  const char* names[4] = {"layer", "head", "token", "dim"};
+  for (int i = 0; i < 4; ++i)
+    KVP_REQUIRE(str[i] >= 0, what, ": negative ", names[i], " stride ", str[i]);
+  // Order dimensions by stride (ignoring extent-1 dims, whose stride is irrelevant).
+  int order[4] = {0, 1, 2, 3};
+  for (int i = 0; i < 4; ++i)
+    for (int j = i + 1; j < 4; ++j)
+      if (str[order[j]] < str[order[i]]) std::swap(order[i], order[j]);
+  std::int64_t span = 1;  // elements covered by the dims seen so far
+  for (int k = 0; k < 4; ++k) {
+    int d = order[k];
+    if (ext[d] == 1) continue;
+    KVP_REQUIRE(str[d] >= span, what, ": ", names[d], " stride ", str[d],
+                " overlaps the inner dimensions (needs >= ", span, ")");
+    span = str[d] * (ext[d] - 1) + span;
+  }
+}
+
+// Checks that keys/values contain only finite numbers (NaN/Inf in the cache would make every
+// score meaningless and selection non-deterministic).
+template <class T>
+void require_finite(const KVView<T>& v, std::string_view what) {
+  for (std::int64_t l = 0; l < v.layers; ++l)
+    for (std::int64_t h = 0; h < v.heads; ++h)
+      for (std::int64_t t = 0; t < v.tokens; ++t)
+        for (std::int64_t i = 0; i < v.dim; ++i) {
+          float x = to_float(v.at(l, h, t, i));
+          KVP_REQUIRE(std::isfinite(x), what, " contains a non-finite value (", x, ") at layer ",
+                      l, ", head ", h, ", token ", t, ", dim ", i);
+        }
+}
+
+}  // namespace kvpolicy

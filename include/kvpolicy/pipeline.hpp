@@ -1,0 +1,130 @@
+// Compile-time pipeline: Scorer -> Allocators... -> selection -> compaction. Engines that know
+// their policy use Pipeline<SnapKV, Uniform>; the runtime Policy (policy.hpp) runs the same steps
+// through detail::select_tokens.
+#pragma once
+#include <string>
+#include <tuple>
+
+#include "kvpolicy/concepts.hpp"
+#include "kvpolicy/cpu/compact.hpp"
+#include "kvpolicy/cpu/select.hpp"
+
+namespace kvpolicy {
+
+namespace detail {
+
+// One compression event's selection: validate inputs, resolve the budget, score, let the
+// allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain.
+template <class S, Element T, class AllocateFn>
+Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& allocate,
+                        const Inputs<T>& in, const Budget& budget, Stats& stats,
+                        ScoreMap* scores_out) {
+  validate(in, scorer.needs(), scorer.query_window());
+  const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
+  std::vector<std::int64_t> budgets = budget.resolve(L, H, Tk);
+  const std::int64_t per_row = (L * H > 0) ? budget.global(L, H, Tk) / (L * H) : 0;
+  const Protect protect = scorer.protect(Tk, per_row);
+  const std::int64_t n_protected = protect.total(Tk);
+  for (std::int64_t b : budgets)
+    KVP_REQUIRE(b >= Tk || b >= n_protected, "budget of ", b, " tokens per head is below the ",
+                n_protected, " tokens ", S::name, " protects (", protect.sinks, " sinks + ",
+                protect.recent, " recent)");
+  ScoreMap local;
+  ScoreMap& scores = scores_out ? *scores_out : local;
+  bool evicts = false;
+  for (std::int64_t b : budgets) evicts = evicts || b < Tk;
+  if (!evicts && !scores_out) {  // nothing to evict: keep everything without scoring
+    Selection all(L, H);
+    for (std::int64_t r = 0; r < L * H; ++r) {
+      auto& k = all.kept(r / H, r % H);
+      k.resize(static_cast<std::size_t>(Tk));
+      for (std::int64_t j = 0; j < Tk; ++j) k[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(j);
+    }
+    return all;
+  }
+  scorer.score(be, in, stats, scores);
+  allocate(AllocContext{&scores, Tk, protect}, std::span<std::int64_t>(budgets));
+  Selection sel;
+  cpu::select(be, scores, budgets, protect, sel);
+  return sel;
+}
+
+// Compacts keys and values in place after checking them (no write happens if a check fails).
+template <Element T>
+void compact_kv(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& values,
+                const Selection& sel) {
+  if (values.data) {
+    KVP_REQUIRE(values.layers == keys.layers && values.heads == keys.heads &&
+                    values.tokens == keys.tokens,
+                "values shape does not match keys");
+    sel.validate(values.tokens);
+  }
+  cpu::compact(be, keys, sel);
+  if (values.data) cpu::compact(be, values, sel);
+}
+
+template <Element T>
+void require_finite_inputs(const Inputs<T>& in) {
+  require_finite(in.keys, "keys");
+  if (in.values.data) require_finite(in.values, "values");
+  if (in.queries.data) require_finite(in.queries, "queries");
+}
+
+// Select with `policy` (a Pipeline or a Policy), then compact keys/values in place. Checks for
+// NaN/Inf and every shape before anything is written.
+template <class P, Element T>
+Selection compress_in_place(const P& policy, const cpu_backend& be, const KVView<T>& keys,
+                            const KVView<T>& values, Inputs<T> in, const Budget& budget) {
+  in.keys = keys;
+  in.values = values;
+  require_finite_inputs(in);
+  Selection sel = policy.select(be, in, budget);
+  compact_kv(be, keys, values, sel);
+  return sel;
+}
+
+}  // namespace detail
+
+template <class S, class... As>
+class Pipeline {
+  static_assert(Scorer<S>,
+                "kvpolicy::Pipeline<S, ...>: S must model kvpolicy::Scorer (a trivially copyable "
+                "type with `name`, `needs()`, `query_window()`, `protect(tokens, budget)` and "
+                "`score(backend, inputs, stats, out)`)");
+  static_assert((Allocator<As> && ...),
+                "kvpolicy::Pipeline<S, A...>: every A must model kvpolicy::Allocator (a trivially "
+                "copyable type with `name` and `allocate(ctx, budgets)`)");
+
+ public:
+  Pipeline() = default;
+  explicit Pipeline(S scorer, As... allocators) : scorer_(scorer), allocators_(allocators...) {}
+
+  const S& scorer() const { return scorer_; }
+
+  // Kept token indices per (layer, KV head). `scores`, if given, receives the scorer's output.
+  template <Element T>
+  Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
+                   ScoreMap* scores = nullptr) const {
+    Stats stats;
+    return detail::select_tokens(
+        be, scorer_,
+        [&](const AllocContext& ctx, std::span<std::int64_t> b) {
+          std::apply([&](const auto&... a) { (a.allocate(ctx, b), ...); }, allocators_);
+        },
+        in, budget, stats, scores);
+  }
+
+  // Selects and compacts in.keys / in.values in place (they must be mutable views of the same
+  // memory as `keys` / `values`). Rejects NaN/Inf before anything is written.
+  template <Element T>
+  Selection compress(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& values,
+                     const Inputs<T>& in, const Budget& budget) const {
+    return detail::compress_in_place(*this, be, keys, values, in, budget);
+  }
+
+ private:
+  S scorer_{};
+  std::tuple<As...> allocators_;
+};
+
+}  // namespace kvpolicy

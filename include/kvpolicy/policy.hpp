@@ -1,0 +1,112 @@
+// Policy: the runtime form of a pipeline, built from a spec string (for the CLI, Python and the
+// C ABI). "snapkv(window=32,kernel=7,pool=max) | uniform": one scorer, then allocators.
+// Unknown names or parameters raise kvpolicy::Error listing what is valid.
+#pragma once
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "kvpolicy/pipeline.hpp"
+#include "kvpolicy/registry.hpp"
+#include "kvpolicy/spec.hpp"
+
+namespace kvpolicy {
+
+namespace detail {
+template <class Tuple>
+struct variant_of;
+template <class... Ts>
+struct variant_of<std::tuple<Ts...>> {
+  using type = std::variant<Ts...>;
+};
+
+template <class... Ts>
+std::string names_of(std::tuple<Ts...>*) {
+  std::string s;
+  ((s += (s.empty() ? "" : ", ") + std::string(Ts::name)), ...);
+  return s;
+}
+
+// Builds the registered type called `stage.name`, if any.
+template <class Variant, class... Ts>
+bool make_stage(SpecStage& stage, Variant& out, std::tuple<Ts...>*) {
+  return ((stage.name == Ts::name ? (out = Ts::from_params(stage.params), stage.params.finish(),
+                                     true)
+                                  : false) ||
+          ...);
+}
+}  // namespace detail
+
+class Policy {
+ public:
+  using AnyScorer = detail::variant_of<scorer_types>::type;
+  using AnyAllocator = detail::variant_of<allocator_types>::type;
+
+  Policy() : Policy("streaming") {}
+  explicit Policy(std::string_view spec) {
+    auto stages = parse_spec(spec);
+    const std::string scorer_names = detail::names_of(static_cast<scorer_types*>(nullptr));
+    const std::string alloc_names = detail::names_of(static_cast<allocator_types*>(nullptr));
+    KVP_REQUIRE(detail::make_stage(stages[0], scorer_, static_cast<scorer_types*>(nullptr)),
+                "unknown scorer '", stages[0].name, "' (valid scorers: ", scorer_names, ")");
+    spec_ = stages[0].text;
+    for (std::size_t i = 1; i < stages.size(); ++i) {
+      AnyAllocator a;
+      KVP_REQUIRE(detail::make_stage(stages[i], a, static_cast<allocator_types*>(nullptr)),
+                  "unknown stage '", stages[i].name, "' after the scorer (valid: ", alloc_names,
+                  "; the first stage must be a scorer: ", scorer_names, ")");
+      allocators_.push_back(a);
+      spec_ += " | " + stages[i].text;
+    }
+  }
+
+  const std::string& spec() const { return spec_; }
+  std::string_view scorer_name() const {
+    return std::visit([](const auto& s) { return std::string_view(s.name); }, scorer_);
+  }
+  const AnyScorer& scorer() const { return scorer_; }
+  Needs needs() const {
+    return std::visit([](const auto& s) { return s.needs(); }, scorer_);
+  }
+  // Queries the scorer reads: 0 none, -1 all of them (H2O without accumulated state).
+  std::int64_t query_window() const {
+    return std::visit([](const auto& s) { return s.query_window(); }, scorer_);
+  }
+  Protect protect(std::int64_t tokens, std::int64_t budget) const {
+    return std::visit([&](const auto& s) { return s.protect(tokens, budget); }, scorer_);
+  }
+  // True for policies that evict at every decode step once the budget is reached (H2O).
+  bool decode_time() const { return std::holds_alternative<H2O>(scorer_); }
+
+  template <Element T>
+  Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
+                   ScoreMap* scores = nullptr) const {
+    Stats stats;
+    return std::visit(
+        [&](const auto& s) {
+          return detail::select_tokens(
+              be, s,
+              [&](const AllocContext& ctx, std::span<std::int64_t> b) {
+                for (const auto& a : allocators_)
+                  std::visit([&](const auto& al) { al.allocate(ctx, b); }, a);
+              },
+              in, budget, stats, scores);
+        },
+        scorer_);
+  }
+
+  // Selects and compacts keys/values in place; see Pipeline::compress.
+  template <Element T>
+  Selection compress(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& values,
+                     const Inputs<T>& in, const Budget& budget) const {
+    return detail::compress_in_place(*this, be, keys, values, in, budget);
+  }
+
+ private:
+  AnyScorer scorer_;
+  std::vector<AnyAllocator> allocators_;
+  std::string spec_;
+};
+
+}  // namespace kvpolicy

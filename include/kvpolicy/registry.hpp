@@ -1,0 +1,19 @@
+// Every policy stage the runtime Policy knows by name. Adding a policy: one header, one test
+// file, one line here.
+#pragma once
+#include <tuple>
+
+#include "kvpolicy/allocators/uniform.hpp"
+#include "kvpolicy/scorers/h2o.hpp"
+#include "kvpolicy/scorers/keydiff.hpp"
+#include "kvpolicy/scorers/knorm.hpp"
+#include "kvpolicy/scorers/snapkv.hpp"
+#include "kvpolicy/scorers/streaming.hpp"
+#include "kvpolicy/scorers/tova.hpp"
+
+namespace kvpolicy {
+
+using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff>;
+using allocator_types = std::tuple<Uniform>;
+
+}  // namespace kvpolicy
