@@ -1,0 +1,139 @@
+// Gather-compact on the GPU, in place.
+//
+// Why an ordered pass: row i receives row kept[i] >= i, so a row may be overwritten before the
+// thread that needs it as a source has read it. Running rows of one (layer, head) in several
+// blocks races; gathering into a side buffer first would cost up to a full copy of the cache in
+// workspace (the kept total of a device selection is unknown on the host), which defeats a
+// library whose point is memory. Instead one thread block owns a (layer, head) row and walks its
+// kept list in tiles: it reads a tile's source rows into shared memory, synchronises, then
+// writes them. Within a tile the barrier orders every read before any write; a later tile only
+// reads rows >= its first destination, which no earlier tile wrote. Different (layer, head)
+// rows never alias (validate(KVView)), so blocks are independent. No workspace.
+//
+// Copies are bit moves, so the kernel is templated on the copy unit only: 16-byte vectors when
+// the row size, the base pointer and every stride allow, else 8, 4, 2 or 1 bytes. A view with a
+// head_dim stride other than 1 (transposed layouts) copies element by element.
+// Parallelism is one block per (layer, head); a cache with few of them under-fills a large GPU
+// (splitting rows across blocks would need an inter-block read-before-write order).
+#include <cstdint>
+
+#include "check.cuh"
+#include "kvpolicy/cuda/launch.hpp"
+
+namespace kvpolicy::cuda {
+namespace {
+
+constexpr int compact_block = 256;
+
+// Strides in copy units.
+struct UnitGeometry {
+  std::int64_t heads, rows;
+  std::int64_t stride_layer, stride_head, stride_token, stride_col;
+  int row_units;  // copy units per token row
+  int tile_rows;  // rows staged per tile
+};
+
+// First i with kept[i] != i; rows before it are already in place (kept is strictly ascending
+// with kept[i] >= i, so kept[i] == i holds exactly on a prefix).
+__device__ std::int64_t first_moved(const std::int32_t* kept, std::int64_t n) {
+  std::int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (kept[mid] == mid) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+template <class U>
+__global__ void __launch_bounds__(compact_block)
+    compact_ordered_kernel(U* data, UnitGeometry g, const std::int64_t* offsets,
+                           const std::int32_t* indices) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  U* tile = reinterpret_cast<U*>(smem);
+  for (std::int64_t r = blockIdx.x; r < g.rows; r += gridDim.x) {
+    U* base = data + (r / g.heads) * g.stride_layer + (r % g.heads) * g.stride_head;
+    const std::int64_t begin = offsets[r];
+    const std::int64_t n = offsets[r + 1] - begin;
+    const std::int32_t* kept = indices + begin;
+    for (std::int64_t t0 = first_moved(kept, n); t0 < n; t0 += g.tile_rows) {
+      const int nt = static_cast<int>(n - t0 < g.tile_rows ? n - t0 : g.tile_rows);
+      const int units = nt * g.row_units;
+      for (int e = threadIdx.x; e < units; e += blockDim.x) {
+        const int i = e / g.row_units, c = e - i * g.row_units;
+        tile[e] = base[kept[t0 + i] * g.stride_token + c * g.stride_col];
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < units; e += blockDim.x) {
+        const int i = e / g.row_units, c = e - i * g.row_units;
+        base[(t0 + i) * g.stride_token + c * g.stride_col] = tile[e];
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <class U>
+Status launch(const cuda_backend& be, const RowsView& v, int unit, const CsrSelection& sel) {
+  UnitGeometry g{};
+  g.heads = v.heads;
+  g.rows = v.layers * v.heads;
+  const bool packed = v.stride_dim == 1;
+  // Element strides -> unit strides (pick_unit checked that the bytes divide).
+  g.stride_layer = v.stride_layer * v.elem_bytes / unit;
+  g.stride_head = v.stride_head * v.elem_bytes / unit;
+  g.stride_token = v.stride_token * v.elem_bytes / unit;
+  g.stride_col = packed ? 1 : v.stride_dim * v.elem_bytes / unit;
+  g.row_units = static_cast<int>(v.dim * v.elem_bytes / unit);
+  const std::int64_t row_bytes = v.dim * v.elem_bytes;
+  g.tile_rows = static_cast<int>(compact_max_row_bytes / row_bytes);
+  const std::size_t smem = static_cast<std::size_t>(g.tile_rows) * row_bytes;
+  const unsigned grid = static_cast<unsigned>(g.rows < (1 << 20) ? g.rows : (1 << 20));
+  compact_ordered_kernel<U><<<grid, compact_block, smem, detail::stream_of(be.stream)>>>(
+      static_cast<U*>(v.data), g, sel.offsets, sel.indices);
+  KVP_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+// Widest copy unit that divides the row, the base address and every stride (in bytes).
+int pick_unit(const RowsView& v) {
+  if (v.stride_dim != 1) return v.elem_bytes;
+  const std::int64_t eb = v.elem_bytes;
+  const std::int64_t parts[] = {v.dim * eb, v.stride_layer * eb, v.stride_head * eb,
+                                v.stride_token * eb,
+                                static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(v.data))};
+  for (int unit = 16; unit > v.elem_bytes; unit /= 2) {
+    bool ok = true;
+    for (std::int64_t p : parts) ok = ok && p % unit == 0;
+    if (ok) return unit;
+  }
+  return v.elem_bytes;
+}
+
+}  // namespace
+
+std::size_t compact_workspace_bytes(const RowsView&) { return 0; }
+
+Status compact_rows(const cuda_backend& be, const RowsView& v, const CsrSelection& sel) {
+  const int eb = v.elem_bytes;
+  if (eb != 1 && eb != 2 && eb != 4 && eb != 8 && eb != 16)
+    return detail::invalid("element size must be 1, 2, 4, 8 or 16 bytes");
+  if (v.layers < 0 || v.heads < 0 || v.dim < 0) return detail::invalid("negative extent");
+  if (sel.layers != v.layers || sel.heads != v.heads)
+    return detail::invalid("selection shape differs from the cache's layers x heads");
+  if (v.layers * v.heads == 0 || v.dim == 0) return {};
+  if (!v.data || !sel.offsets || !sel.indices) return detail::invalid("null pointer");
+  if (reinterpret_cast<std::uintptr_t>(v.data) % eb != 0)
+    return detail::invalid("cache pointer is not aligned to its element size");
+  if (v.dim * eb > compact_max_row_bytes)
+    return detail::invalid("head_dim * element size exceeds compact_max_row_bytes");
+  switch (pick_unit(v)) {
+    case 16: return launch<uint4>(be, v, 16, sel);
+    case 8: return launch<uint2>(be, v, 8, sel);
+    case 4: return launch<std::uint32_t>(be, v, 4, sel);
+    case 2: return launch<std::uint16_t>(be, v, 2, sel);
+    default: return launch<std::uint8_t>(be, v, 1, sel);
+  }
+}
+
+}  // namespace kvpolicy::cuda

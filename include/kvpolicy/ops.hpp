@@ -1,0 +1,102 @@
+// Backend dispatch: every op is overloaded on the backend tag (cpu_backend, cuda_backend), so a
+// pipeline written against ops:: runs on either by changing the backend value it is given.
+// backend_traits<B> names what each backend consumes and produces: the CPU works on owning host
+// containers (ScoreMap, Selection); the CUDA backend on views of device memory (ScoreView,
+// CsrSelection) sized by the caller through the *_workspace_bytes queries (two-phase, like CUB).
+// The CUDA overloads exist when the build links kvpolicy::cuda (KVPOLICY_WITH_CUDA).
+#pragma once
+#include <cstddef>
+#include <span>
+
+#include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/cpu/compact.hpp"
+#include "kvpolicy/cpu/select.hpp"
+#if defined(KVPOLICY_WITH_CUDA)
+#include "kvpolicy/cuda/compact.hpp"
+#include "kvpolicy/cuda/select.hpp"
+#endif
+
+namespace kvpolicy::ops {
+
+template <class B>
+struct backend_traits;
+
+template <>
+struct backend_traits<cpu_backend> {
+  using scores = ScoreMap;
+  using selection = Selection;
+};
+
+template <class B>
+using scores_t = typename backend_traits<B>::scores;
+template <class B>
+using selection_t = typename backend_traits<B>::selection;
+
+// ---- CPU ------------------------------------------------------------------------------------
+
+inline std::size_t select_workspace_bytes(const cpu_backend&, std::int64_t, std::int64_t) {
+  return 0;
+}
+template <Element T>
+std::size_t compact_workspace_bytes(const cpu_backend&, const KVView<T>&) {
+  return 0;
+}
+
+inline void select(const cpu_backend& be, const ScoreMap& scores,
+                   std::span<const std::int64_t> budgets, Protect p, Selection& out) {
+  cpu::select(be, scores, budgets, p, out);
+}
+
+template <Element T>
+void compact(const cpu_backend& be, const KVView<T>& kv, const Selection& sel) {
+  cpu::compact(be, kv, sel);
+}
+
+template <class S>
+void compact_state(const cpu_backend& be, S* data, std::int64_t stride_layer,
+                   std::int64_t stride_head, const Selection& sel) {
+  cpu::compact_state(be, data, stride_layer, stride_head, sel);
+}
+
+// ---- CUDA -----------------------------------------------------------------------------------
+#if defined(KVPOLICY_WITH_CUDA)
+
+template <>
+struct backend_traits<cuda_backend> {
+  using scores = cuda::ScoreView;
+  using selection = cuda::CsrSelection;
+};
+
+inline std::size_t select_workspace_bytes(const cuda_backend&, std::int64_t rows,
+                                          std::int64_t tokens) {
+  return cuda::select_workspace_bytes(rows, tokens);
+}
+template <Element T>
+std::size_t compact_workspace_bytes(const cuda_backend&, const KVView<T>& kv) {
+  return cuda::compact_workspace_bytes(kv);
+}
+
+// Host budgets (checked like the CPU path) or device budgets (see cuda/select.hpp).
+inline void select(const cuda_backend& be, const cuda::ScoreView& scores,
+                   std::span<const std::int64_t> budgets, Protect p, cuda::CsrSelection& out) {
+  cuda::select(be, scores, budgets, p, out);
+}
+inline void select(const cuda_backend& be, const cuda::ScoreView& scores,
+                   const std::int64_t* device_budgets, Protect p, cuda::CsrSelection& out) {
+  cuda::select(be, scores, device_budgets, p, out);
+}
+
+template <Element T>
+void compact(const cuda_backend& be, const KVView<T>& kv, const cuda::CsrSelection& sel) {
+  cuda::compact(be, kv, sel);
+}
+
+template <class S>
+void compact_state(const cuda_backend& be, S* data, std::int64_t stride_layer,
+                   std::int64_t stride_head, const cuda::CsrSelection& sel) {
+  cuda::compact_state(be, data, stride_layer, stride_head, sel);
+}
+
+#endif  // KVPOLICY_WITH_CUDA
+
+}  // namespace kvpolicy::ops
