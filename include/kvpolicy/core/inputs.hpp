@@ -93,10 +93,11 @@ void validate(const Inputs<T>& in, Needs needs, std::int64_t query_window = 0) {
                 ",", in.values.dim, "] does not match keys [", in.keys.layers, ",", in.keys.heads,
                 ",", in.keys.tokens, ",", in.keys.dim, "]");
   }
-  if (has(needs, Needs::queries)) {
+  if (has(needs, Needs::queries))
     KVP_REQUIRE(in.queries.data != nullptr && in.queries.tokens > 0,
                 "queries: this policy needs the last ", query_window,
                 " queries but none were given");
+  if (in.queries.data != nullptr) {
     validate(in.queries, "queries");
     KVP_REQUIRE(in.queries.layers == in.keys.layers, "queries have ", in.queries.layers,
                 " layers but keys have ", in.keys.layers);
@@ -108,8 +109,10 @@ void validate(const Inputs<T>& in, Needs needs, std::int64_t query_window = 0) {
     KVP_REQUIRE(in.queries.tokens <= in.keys.tokens, "queries: ", in.queries.tokens,
                 " queries for only ", in.keys.tokens, " keys");
   }
-  if (has(needs, Needs::accumulated) && !has(needs, Needs::queries))
-    KVP_REQUIRE(in.accumulated != nullptr, "accumulated attention is required but was not given");
+  if (has(needs, Needs::accumulated))
+    KVP_REQUIRE(in.accumulated != nullptr || (in.queries.data != nullptr && in.queries.tokens > 0),
+                "accumulated attention is required (or the queries to compute it) but neither "
+                "was given");
 }
 
 }  // namespace kvpolicy

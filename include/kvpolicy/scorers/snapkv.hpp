@@ -35,7 +35,12 @@ struct SnapKV {
                    ? authors()
                    : SnapKV{};
     s.window = p.get_int("window", s.window);
-    s.kernel = static_cast<int>(p.get_int("kernel", s.kernel));
+    const std::int64_t kernel = p.get_int("kernel", s.kernel);
+    // Check before narrowing, or kernel=4294967297 would wrap to a valid kernel of 1.
+    KVP_REQUIRE(kernel >= std::numeric_limits<int>::min() &&
+                    kernel <= std::numeric_limits<int>::max(),
+                "snapkv: kernel ", kernel, " is out of range");
+    s.kernel = static_cast<int>(kernel);
     s.pool = p.get_choice("pool", s.pool == Pool::max ? "max" : "avg", {"avg", "max"}) == "max"
                  ? Pool::max
                  : Pool::avg;

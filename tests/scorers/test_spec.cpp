@@ -1,0 +1,91 @@
+// Policy spec strings: what parses, and every malformed or out-of-range spec raising
+// kvpolicy::Error with a message that names the problem.
+#include "scorers/naive.hpp"
+
+using namespace kvpolicy;
+
+TEST_CASE("policy specs that parse", "[scorers][spec]") {
+  CHECK(Policy("snapkv(window=8) | uniform").scorer_name() == "snapkv");
+  CHECK(Policy("  h2o ( recent = 0.25 , sinks = 2 )  ").scorer_name() == "h2o");
+  CHECK(Policy("streaming()").scorer_name() == "streaming");
+  CHECK(Policy("tova").query_window() == 1);
+  CHECK(Policy("h2o(recent=1)").decode_time());
+  const Policy p("h2o(recent=0.25,sinks=2,normalize=1,reduce=sum)");
+  const auto& h = std::get<H2O>(p.scorer());
+  CHECK(h.recent == 0.25);
+  CHECK(h.sinks == 2);
+  CHECK(h.normalize);
+  CHECK(h.reduce == GqaReduce::sum);
+  CHECK(std::get<Streaming>(Policy("streaming(sinks=0)").scorer()).sinks == 0);
+  CHECK(Policy("knorm | uniform | uniform").spec() == "knorm | uniform | uniform");
+}
+
+TEST_CASE("bad policy specs raise kvpolicy::Error naming the problem", "[scorers][spec]") {
+  using Catch::Contains;
+  // Unknown names.
+  REQUIRE_THROWS_WITH(Policy("snapkvv"),
+                      Contains("unknown scorer 'snapkvv'") && Contains("snapkv"));
+  REQUIRE_THROWS_WITH(Policy("uniform"), Contains("unknown scorer 'uniform'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | pyramid"), Contains("unknown stage 'pyramid'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(windw=8)"),
+                      Contains("unknown parameter 'windw'") && Contains("window"));
+  REQUIRE_THROWS_WITH(Policy("knorm(window=8)"), Contains("unknown parameter 'window'"));
+  // Malformed.
+  REQUIRE_THROWS_WITH(Policy(""), Contains("empty"));
+  REQUIRE_THROWS_WITH(Policy("   "), Contains("empty"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=8"), Contains("closing ')'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | "), Contains("empty stage"));
+  REQUIRE_THROWS_WITH(Policy("| snapkv"), Contains("empty stage"));
+  REQUIRE_THROWS_WITH(Policy("snapkv || uniform"), Contains("empty stage"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=)"), Contains("parameter 'window' has no value"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window)"), Contains("expected key=value"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=8,)"), Contains("expected key=value"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(=8)"), Contains("bad parameter name"));
+  REQUIRE_THROWS_WITH(Policy("snap kv"), Contains("bad stage name"));
+  REQUIRE_THROWS_WITH(Policy("snapkv((window=8))"), Contains("nested parentheses"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=8,window=9)"), Contains("'window' given twice"));
+  // Wrong types.
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=abc)"), Contains("'window' expects an integer"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=8.5)"), Contains("'window' expects an integer"));
+  REQUIRE_THROWS_WITH(Policy("h2o(recent=lots)"), Contains("'recent' expects a number"));
+  REQUIRE_THROWS_WITH(Policy("h2o(recent=nan)"), Contains("'recent' expects a number"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(pool=min)"), Contains("'pool' must be one of {avg, max}"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(preset=paper)"), Contains("'preset' must be one of"));
+  REQUIRE_THROWS_WITH(Policy("h2o(normalize=yes)"), Contains("'normalize' must be one of"));
+  REQUIRE_THROWS_WITH(Policy("h2o(reduce=median)"), Contains("'reduce' must be one of"));
+  // Out of range.
+  REQUIRE_THROWS_WITH(Policy("snapkv(kernel=4)"), Contains("kernel must be odd"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(kernel=0)"), Contains("kernel must be odd"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(kernel=-3)"), Contains("kernel must be odd"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(kernel=4294967297)"),
+                      Contains("kernel 4294967297 is out of range"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=0)"), Contains("window must be >= 1"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=-4)"), Contains("window must be >= 1"));
+  REQUIRE_THROWS_WITH(Policy("snapkv(sinks=-1)"), Contains("sinks must be >= 0"));
+  REQUIRE_THROWS_WITH(Policy("h2o(recent=1.5)"), Contains("recent must be a fraction in [0, 1]"));
+  REQUIRE_THROWS_WITH(Policy("h2o(recent=-0.1)"), Contains("recent must be a fraction in [0, 1]"));
+  REQUIRE_THROWS_WITH(Policy("h2o(sinks=-2)"), Contains("sinks must be >= 0"));
+  REQUIRE_THROWS_WITH(Policy("h2o(recent_tokens=-5)"), Contains("recent_tokens must be >= 0"));
+  REQUIRE_THROWS_WITH(Policy("streaming(sinks=-1)"), Contains("sinks must be >= 0"));
+  // Every one of them is a kvpolicy::Error (std::invalid_argument), prefixed "kvpolicy: ".
+  REQUIRE_THROWS_AS(Policy("snapkv(kernel=4)"), Error);
+  REQUIRE_THROWS_WITH(Policy("snapkv(kernel=4)"), Catch::StartsWith("kvpolicy: snapkv: "));
+}
+
+TEST_CASE("budgets below the protected tokens are errors", "[scorers][spec]") {
+  kvtest::Rng rng(11);
+  const auto c = naive::random_case<float>(rng, 1, 2, 2, 20, 20, 4, Layout::HND);
+  const auto in = c.inputs();
+  REQUIRE_THROWS_WITH(Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(5)),
+                      Catch::Contains("below the 8 tokens snapkv protects"));
+  REQUIRE_THROWS_WITH(
+      Policy("snapkv(window=8,sinks=2)").select(cpu_backend{}, in, Budget::tokens(9)),
+      Catch::Contains("below the 10 tokens snapkv protects"));
+  REQUIRE_THROWS_WITH(Policy("h2o(sinks=4)").select(cpu_backend{}, in, Budget::tokens(3)),
+                      Catch::Contains("protects"));
+  REQUIRE_THROWS_WITH(Policy("tova").select(cpu_backend{}, in, Budget::tokens(0)),
+                      Catch::Contains("below the 1 tokens tova protects"));
+  // Exactly the protected count is fine: the window alone.
+  const Selection sel = Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(8));
+  CHECK(sel.kept(0, 1).front() == 12);
+}
