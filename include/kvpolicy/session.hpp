@@ -115,6 +115,7 @@ class Session {
   bool compress_if_due(std::int64_t layer) {
     Layer& L = at(layer);
     if (L.budgets.empty()) {
+      if (L.lengths[0] == 0) return false;  // no prefill yet: nothing to fix the budgets from
       compress(layer);
       return true;
     }
@@ -136,11 +137,15 @@ class Session {
       KVP_REQUIRE(L.lengths[static_cast<std::size_t>(h)] == len, "session.compress: KV heads of "
                   "layer ", layer, " have different lengths; re-compressing a ragged layer needs "
                   "a per-head allocator");
-    if (L.budgets.empty())
-      L.budgets = cfg_.budget.kind() == Budget::Kind::per_head
-                      ? std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.kv_heads),
-                                                  static_cast<std::int64_t>(cfg_.budget.value()))
-                      : cfg_.budget.resolve(1, cfg_.kv_heads, len);
+    if (L.budgets.empty() && len == 0) return Selection(1, cfg_.kv_heads);  // ratio of nothing
+    // Fixed only once the selection succeeded: a failed first compression (budget below the
+    // protected count) must leave the layer as it was, still due.
+    std::vector<std::int64_t> budgets = L.budgets;
+    if (budgets.empty())
+      budgets = cfg_.budget.kind() == Budget::Kind::per_head
+                    ? std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.kv_heads),
+                                                static_cast<std::int64_t>(cfg_.budget.value()))
+                    : cfg_.budget.resolve(1, cfg_.kv_heads, len);
     Inputs<T> in;
     in.keys = keys(layer).prefix(len);
     in.values = values(layer).prefix(len);
@@ -152,9 +157,10 @@ class Session {
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
     in.state_stride = L.capacity;
-    const Budget per_head = Budget::total(std::accumulate(L.budgets.begin(), L.budgets.end(),
+    const Budget per_head = Budget::total(std::accumulate(budgets.begin(), budgets.end(),
                                                           std::int64_t{0}));
     Selection sel = policy_.select(cfg_.backend, in, per_head);
+    L.budgets = std::move(budgets);
     const KVView<T> kv = KVView<T>::hnd(L.k.data(), 1, cfg_.kv_heads, len, cfg_.head_dim);
     KVView<T> k_mut = kv, v_mut = kv;
     k_mut.stride_head = v_mut.stride_head = L.capacity * cfg_.head_dim;

@@ -1,0 +1,474 @@
+// Session: append / attend / compress_if_due, ragged storage, positions, H2O state compaction
+// and decode-time eviction, attention over the cache, and argument errors.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <kvpolicy/kvpolicy.hpp>
+
+#include "common/random.hpp"
+#include "ops/naive.hpp"
+
+using kvpolicy::Budget;
+using kvpolicy::KVView;
+using kvpolicy::Session;
+using kvpolicy::SessionConfig;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr std::int64_t kLayers = 2, kHkv = 2, kG = 3, kHq = kHkv * kG, kD = 8;
+
+// A whole sequence of S tokens per layer: k, v [Hkv][S][d], q [Hq][S][d] (HND).
+template <class T>
+struct Sequence {
+  std::int64_t S;
+  std::vector<std::vector<T>> k, v, q;  // per layer
+  Sequence(std::int64_t s, std::uint64_t seed) : S(s) {
+    kvtest::Rng rng(seed);
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      k.push_back(rng.normals<T>(kHkv * S * kD));
+      v.push_back(rng.normals<T>(kHkv * S * kD));
+      q.push_back(rng.normals<T>(kHq * S * kD));
+    }
+  }
+  // Tokens [t0, t0 + n) as a [1][heads][n][d] view.
+  static KVView<const T> slice(const std::vector<T>& b, std::int64_t heads, std::int64_t S,
+                               std::int64_t t0, std::int64_t n) {
+    return {b.data() + t0 * kD, 1, heads, n, kD, heads * S * kD, S * kD, kD, 1};
+  }
+  KVView<const T> K(std::int64_t l, std::int64_t t0, std::int64_t n) const { return slice(k[l], kHkv, S, t0, n); }
+  KVView<const T> V(std::int64_t l, std::int64_t t0, std::int64_t n) const { return slice(v[l], kHkv, S, t0, n); }
+  KVView<const T> Q(std::int64_t l, std::int64_t t0, std::int64_t n) const { return slice(q[l], kHq, S, t0, n); }
+};
+
+SessionConfig config(Budget b, std::int64_t initial_capacity = 8) {
+  SessionConfig c;
+  c.layers = kLayers;
+  c.kv_heads = kHkv;
+  c.q_heads = kHq;
+  c.head_dim = kD;
+  c.budget = b;
+  c.initial_capacity = initial_capacity;
+  c.backend = kvpolicy::cpu_backend{1};  // thread counts are covered by tests/ops
+  return c;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const kvpolicy::Error& e) {
+    return e.what();
+  } catch (...) {
+    return "<other exception>";
+  }
+  return "<no exception>";
+}
+
+// Every stored row of (layer, head) is bit-identical to the original token at positions[i].
+template <class T>
+void require_rows_are_originals(const Session<T>& s, const Sequence<T>& seq, std::int64_t l) {
+  for (std::int64_t h = 0; h < kHkv; ++h) {
+    auto pos = s.positions(l, h);
+    REQUIRE(static_cast<std::int64_t>(pos.size()) == s.length(l, h));
+    REQUIRE(std::is_sorted(pos.begin(), pos.end()));
+    REQUIRE(std::adjacent_find(pos.begin(), pos.end()) == pos.end());
+    for (std::size_t i = 0; i < pos.size(); ++i) {
+      REQUIRE(pos[i] >= 0);
+      REQUIRE(pos[i] < seq.S);
+      for (std::int64_t e = 0; e < kD; ++e) {
+        REQUIRE(kvpolicy::to_float(s.keys(l).at(0, h, static_cast<std::int64_t>(i), e)) ==
+                kvpolicy::to_float(seq.K(l, pos[i], 1).at(0, h, 0, e)));
+        REQUIRE(kvpolicy::to_float(s.values(l).at(0, h, static_cast<std::int64_t>(i), e)) ==
+                kvpolicy::to_float(seq.V(l, pos[i], 1).at(0, h, 0, e)));
+      }
+    }
+  }
+}
+
+// Gathers the original rows at each head's positions into a ragged [1][Hkv][cap][d] cache.
+template <class T>
+struct Gathered {
+  std::int64_t cap = 0;
+  std::vector<T> k, v;
+  std::vector<std::int64_t> lengths;
+  std::vector<std::vector<std::int32_t>> pos;
+  Gathered(const Session<T>& s, const Sequence<T>& seq, std::int64_t l) {
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      auto p = s.positions(l, h);
+      pos.emplace_back(p.begin(), p.end());
+      lengths.push_back(static_cast<std::int64_t>(p.size()));
+      cap = std::max<std::int64_t>(cap, static_cast<std::int64_t>(p.size()));
+    }
+    k.resize(static_cast<std::size_t>(kHkv * cap * kD));
+    v.resize(k.size());
+    for (std::int64_t h = 0; h < kHkv; ++h)
+      for (std::size_t i = 0; i < pos[static_cast<std::size_t>(h)].size(); ++i)
+        for (std::int64_t e = 0; e < kD; ++e) {
+          const auto t = pos[static_cast<std::size_t>(h)][i];
+          k[static_cast<std::size_t>((h * cap + static_cast<std::int64_t>(i)) * kD + e)] = seq.K(l, t, 1).at(0, h, 0, e);
+          v[static_cast<std::size_t>((h * cap + static_cast<std::int64_t>(i)) * kD + e)] = seq.V(l, t, 1).at(0, h, 0, e);
+        }
+  }
+  KVView<const T> K() const { return KVView<const T>::hnd(k.data(), 1, kHkv, cap, kD); }
+  KVView<const T> V() const { return KVView<const T>::hnd(v.data(), 1, kHkv, cap, kD); }
+};
+
+// Expected kept positions of an H2O eviction: sinks, the newest `recent`, and the best others
+// by (accumulated desc, position desc), from the pre-compression state.
+std::vector<std::int32_t> h2o_expected(const std::vector<std::int32_t>& pos,
+                                       const std::vector<float>& acc, std::int64_t budget,
+                                       kvpolicy::Protect p) {
+  const auto T = static_cast<std::int64_t>(pos.size());
+  if (budget >= T) return pos;
+  std::vector<std::int32_t> kept;
+  std::vector<std::int64_t> others;
+  for (std::int64_t i = 0; i < T; ++i) {
+    if (i < p.sinks || i >= T - p.recent) kept.push_back(pos[static_cast<std::size_t>(i)]);
+    else others.push_back(i);
+  }
+  std::sort(others.begin(), others.end(), [&](std::int64_t a, std::int64_t b) {
+    const float x = acc[static_cast<std::size_t>(a)], y = acc[static_cast<std::size_t>(b)];
+    return x != y ? x > y : a > b;
+  });
+  const std::int64_t m = budget - static_cast<std::int64_t>(kept.size());
+  for (std::int64_t i = 0; i < m; ++i)
+    kept.push_back(pos[static_cast<std::size_t>(others[static_cast<std::size_t>(i)])]);
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Session prefill compression: per-head budgets, positions, original rows",
+                   "[session]", float, kvpolicy::half) {
+  using T = TestType;
+  const std::string spec = GENERATE(as<std::string>{}, "snapkv(window=4,kernel=3)", "streaming(sinks=2)",
+                                    "h2o", "knorm", "tova", "snapkv(window=4) | uniform");
+  INFO(spec);
+  const std::int64_t P = 40, B = 12;
+  Sequence<T> seq(P, 99);
+  Session<T> s(kvpolicy::Policy(spec), config(GENERATE(Budget::tokens(12), Budget::ratio(0.3))));
+  std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    CHECK(s.budgets(l).empty());
+    s.append(l, seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P));
+    for (std::int64_t h = 0; h < kHkv; ++h) CHECK(s.length(l, h) == P);
+    require_rows_are_originals(s, seq, l);  // before compression: every token, in order
+    s.attend(l, seq.Q(l, 0, P), out.data());
+    REQUIRE(s.compress_if_due(l));
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      CHECK(s.length(l, h) == B);
+      CHECK(s.lengths(l)[static_cast<std::size_t>(h)] == B);
+      CHECK(s.budgets(l)[static_cast<std::size_t>(h)] == B);
+    }
+    require_rows_are_originals(s, seq, l);
+    CHECK_FALSE(s.compress_if_due(l));  // at the budget: nothing is due
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      auto pos = s.positions(l, h);
+      if (spec.rfind("snapkv", 0) == 0) CHECK(pos.back() == P - 1);
+      if (spec.rfind("snapkv", 0) == 0) CHECK(pos[B - 4] == P - 4);
+      if (spec == "streaming(sinks=2)")
+        CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) ==
+              std::vector<std::int32_t>{0, 1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39});
+      if (spec == "h2o") CHECK(pos[B - 6] == P - 6);  // recent = half the budget
+      if (spec == "tova") CHECK(pos.back() == P - 1);
+    }
+    // Non-H2O policies: the session's selection equals the policy's on the full prefill
+    // (the session kept the right queries and keys).
+    if (spec != "h2o") {
+      kvpolicy::Inputs<T> in;
+      in.keys = seq.K(l, 0, P);
+      in.values = seq.V(l, 0, P);
+      in.queries = seq.Q(l, 0, P);
+      const auto sel = s.policy().select(kvpolicy::cpu_backend{1}, in, Budget::tokens(B));
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        auto pos = s.positions(l, h);
+        auto k = sel.kept(0, h);
+        CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) == std::vector<std::int32_t>(k.begin(), k.end()));
+      }
+    }
+  }
+  CHECK(s.kv_bytes() == static_cast<std::size_t>(kLayers * kHkv * B * kD * 2) * sizeof(T));
+}
+
+TEST_CASE("Session: compress_if_due before the prefill fixes nothing", "[session]") {
+  const std::int64_t P = 20;
+  Sequence<float> seq(P, 8);
+  Session<float> s(kvpolicy::Policy("h2o"), config(Budget::ratio(0.5)));
+  CHECK_FALSE(s.compress_if_due(0));  // an engine may call it every step, even before tokens
+  CHECK(s.budgets(0).empty());
+  CHECK(s.compress(1).total() == 0);
+  CHECK(s.budgets(1).empty());
+  std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, P), seq.V(l, 0, P));
+    s.attend(l, seq.Q(l, 0, P), out.data());
+    REQUIRE(s.compress_if_due(l));
+    CHECK(s.length(l, 0) == 10);  // half of the prefill, not half of nothing
+    CHECK(s.length(l, 1) == 10);
+  }
+}
+
+TEST_CASE("Session keeps the newest queries across chunked appends (snapkv)", "[session]") {
+  const std::int64_t P = 40, B = 12;
+  Sequence<float> seq(P, 7);
+  const std::vector<std::vector<std::int64_t>> chunkings = {{37, 1, 2}, {1, 1, 1, 1, 1, 35}, {20, 20}, {38, 2}};
+  for (const auto& chunks : chunkings) {
+    Session<float> s(kvpolicy::Policy("snapkv(window=4,kernel=3)"), config(Budget::tokens(B), 4));
+    std::int64_t t = 0;
+    std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+    for (std::int64_t n : chunks) {
+      s.append(0, seq.K(0, t, n), seq.V(0, t, n), seq.Q(0, t, n));
+      s.attend(0, seq.Q(0, t, n), out.data());
+      t += n;
+    }
+    REQUIRE(t == P);
+    REQUIRE(s.compress_if_due(0));
+    kvpolicy::Inputs<float> in;
+    in.keys = seq.K(0, 0, P);
+    in.queries = seq.Q(0, P - 4, 4);
+    const auto sel = s.policy().select(kvpolicy::cpu_backend{1}, in, Budget::tokens(B));
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      auto pos = s.positions(0, h);
+      auto k = sel.kept(0, h);
+      CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) == std::vector<std::int32_t>(k.begin(), k.end()));
+    }
+    // Layer 1 was never touched.
+    CHECK(s.length(1, 0) == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("Session attend equals attention over the (ragged) cache", "[session]", float,
+                   kvpolicy::half) {
+  using T = TestType;
+  const std::int64_t P = 30, steps = 4;
+  Sequence<T> seq(P + steps, 5);
+  // total = 2 * 9 + 1: KV head 0 keeps 10 tokens, head 1 keeps 9.
+  Session<T> s(kvpolicy::Policy("snapkv(window=4,kernel=3)"), config(Budget::total(19)));
+  const std::int64_t l = 1;
+  std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+  s.append(l, seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P));
+  s.attend(l, seq.Q(l, 0, P), out.data());
+  {
+    const std::vector<std::int64_t> full(kHkv, P);
+    const auto ref = kvtest::naive_attention(seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P), full, true);
+    CHECK(kvtest::max_rel_err(out, ref) < 2e-6);
+  }
+  REQUIRE(s.compress_if_due(l));
+  CHECK(s.length(l, 0) == 10);
+  CHECK(s.length(l, 1) == 9);
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const std::int64_t p = P + step;
+    s.append(l, seq.K(l, p, 1), seq.V(l, p, 1), seq.Q(l, p, 1));
+    std::vector<float> got(static_cast<std::size_t>(kHq * kD), -1.f), lib(got.size(), -2.f);
+    s.attend(l, seq.Q(l, p, 1), got.data());
+    // Same op over the session's own views and lengths: bit-identical.
+    kvpolicy::cpu::RaggedAttentionArgs args;
+    args.lengths = s.lengths(l).data();
+    args.causal = true;
+    kvpolicy::cpu::attention(kvpolicy::cpu_backend{1}, s.keys(l), s.values(l), seq.Q(l, p, 1), args, lib.data());
+    CHECK(std::memcmp(got.data(), lib.data(), got.size() * sizeof(float)) == 0);
+    // Naive reference over the original tokens at the kept positions.
+    const Gathered<T> g(s, seq, l);
+    CHECK(g.pos[0].back() == p);
+    const auto ref = kvtest::naive_attention(g.K(), g.V(), seq.Q(l, p, 1), g.lengths, true);
+    CHECK(kvtest::max_rel_err(got, ref) < 2e-6);
+    CHECK_FALSE(s.compress_if_due(l));  // snapkv compresses at prefill only
+    CHECK(s.length(l, 0) == 10 + step + 1);
+    CHECK(s.length(l, 1) == 9 + step + 1);
+    require_rows_are_originals(s, seq, l);
+  }
+}
+
+TEMPLATE_TEST_CASE("Session H2O: state follows its tokens; decode eviction keeps the budget",
+                   "[session]", float, kvpolicy::half) {
+  using T = TestType;
+  const std::string spec = GENERATE(as<std::string>{}, "h2o", "h2o(recent_tokens=3,sinks=2)", "h2o(reduce=sum)");
+  INFO(spec);
+  const std::int64_t P = 30, B = 10, steps = 12;
+  const double scale = spec == "h2o(reduce=sum)" ? 1.0 : 1.0 / kG;
+  Sequence<T> seq(P + steps, 17);
+  Session<T> s(kvpolicy::Policy(spec), config(Budget::tokens(B)));
+  const kvpolicy::Protect prot = s.policy().protect(B + 1, B);
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    // ref_acc[h][position]: H2O accumulation in double over the tokens the session holds.
+    std::vector<std::map<std::int32_t, double>> ref_acc(kHkv);
+    std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+    s.append(l, seq.K(l, 0, P), seq.V(l, 0, P));  // h2o reads no stored queries
+    s.attend(l, seq.Q(l, 0, P), out.data());
+    {
+      std::vector<double> acc(static_cast<std::size_t>(kHkv * P), 0.0);
+      const std::vector<std::int64_t> full(kHkv, P);
+      kvtest::naive_attention(seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P), full, true, nullptr, 0,
+                              &acc, scale);
+      for (std::int64_t h = 0; h < kHkv; ++h)
+        for (std::int32_t j = 0; j < P; ++j) ref_acc[static_cast<std::size_t>(h)][j] = acc[static_cast<std::size_t>(h * P + j)];
+    }
+    for (std::int64_t step = 0; step <= steps; ++step) {
+      INFO("layer " << l << " step " << step);
+      // Before compression: accumulators match the reference, position by position.
+      std::vector<std::vector<std::int32_t>> pre_pos(kHkv);
+      std::vector<std::vector<float>> pre_acc(kHkv);
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        auto pos = s.positions(l, h);
+        auto acc = s.accumulated(l, h);
+        REQUIRE(acc.size() == pos.size());
+        pre_pos[static_cast<std::size_t>(h)].assign(pos.begin(), pos.end());
+        pre_acc[static_cast<std::size_t>(h)].assign(acc.begin(), acc.end());
+        for (std::size_t i = 0; i < pos.size(); ++i) {
+          const double want = ref_acc[static_cast<std::size_t>(h)].at(pos[i]);
+          INFO("head " << h << " position " << pos[i]);
+          REQUIRE(acc[i] == Approx(want).epsilon(1e-5).margin(1e-6));
+        }
+      }
+      REQUIRE(s.compress_if_due(l));
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        const auto& pp = pre_pos[static_cast<std::size_t>(h)];
+        const auto& pa = pre_acc[static_cast<std::size_t>(h)];
+        REQUIRE(s.length(l, h) == B);  // eviction back to the budget after every step
+        auto pos = s.positions(l, h);
+        auto acc = s.accumulated(l, h);
+        // Each kept token carries its own accumulator (bit-exact copy of its pre-compaction value).
+        for (std::size_t i = 0; i < pos.size(); ++i) {
+          const auto it = std::find(pp.begin(), pp.end(), pos[i]);
+          REQUIRE(it != pp.end());
+          REQUIRE(acc[i] == pa[static_cast<std::size_t>(it - pp.begin())]);
+        }
+        // The kept set is the heavy hitters plus the protected tokens.
+        const kvpolicy::Protect p = s.policy().protect(static_cast<std::int64_t>(pp.size()), B);
+        CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) == h2o_expected(pp, pa, B, p));
+        for (std::int64_t j = 0; j < prot.sinks; ++j) CHECK(pos[static_cast<std::size_t>(j)] == j);
+        for (std::int64_t j = 0; j < prot.recent; ++j)
+          CHECK(pos[static_cast<std::size_t>(B - 1 - j)] == pp[pp.size() - 1 - static_cast<std::size_t>(j)]);
+      }
+      require_rows_are_originals(s, seq, l);
+      if (step == steps) break;
+      // Decode one token: its query attends to the kept tokens (and itself).
+      const std::int64_t p = P + step;
+      s.append(l, seq.K(l, p, 1), seq.V(l, p, 1));
+      std::vector<float> o(static_cast<std::size_t>(kHq * kD));
+      s.attend(l, seq.Q(l, p, 1), o.data());
+      const Gathered<T> g(s, seq, l);
+      std::vector<double> acc(static_cast<std::size_t>(kHkv * g.cap), 0.0);
+      const auto ref_o = kvtest::naive_attention(g.K(), g.V(), seq.Q(l, p, 1), g.lengths, true,
+                                                 nullptr, 0, &acc, scale);
+      CHECK(kvtest::max_rel_err(o, ref_o) < 2e-6);
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        const auto& gp = g.pos[static_cast<std::size_t>(h)];
+        REQUIRE(gp.back() == p);
+        REQUIRE(static_cast<std::int64_t>(gp.size()) == B + 1);
+        auto& ra = ref_acc[static_cast<std::size_t>(h)];
+        ra[static_cast<std::int32_t>(p)] = 0.0;  // a new token starts from zero
+        for (std::size_t i = 0; i < gp.size(); ++i) ra[gp[i]] += acc[static_cast<std::size_t>(h * g.cap) + i];
+      }
+    }
+  }
+}
+
+TEST_CASE("Session rejects bad arguments and leaves its state unchanged", "[session]") {
+  Sequence<float> seq(12, 3);
+  Session<float> s(kvpolicy::Policy("snapkv(window=4,kernel=3)"), config(Budget::tokens(6)));
+  s.append(0, seq.K(0, 0, 5), seq.V(0, 0, 5), seq.Q(0, 0, 5));
+  std::vector<float> out(static_cast<std::size_t>(kHq * 12 * kD));
+  auto unchanged = [&] {
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      REQUIRE(s.length(0, h) == 5);
+      REQUIRE(s.length(1, h) == 0);
+      auto pos = s.positions(0, h);
+      REQUIRE(std::vector<std::int32_t>(pos.begin(), pos.end()) == std::vector<std::int32_t>{0, 1, 2, 3, 4});
+    }
+  };
+
+  SECTION("layer index") {
+    CHECK_THAT(error_of([&] { s.append(2, seq.K(0, 5, 1), seq.V(0, 5, 1), seq.Q(0, 5, 1)); }),
+               Contains("session: layer 2 is outside [0, 2)"));
+    CHECK_THAT(error_of([&] { s.attend(-1, seq.Q(0, 5, 1), out.data()); }), Contains("layer -1 is outside [0, 2)"));
+    CHECK_THAT(error_of([&] { s.compress_if_due(7); }), Contains("layer 7 is outside"));
+    CHECK_THAT(error_of([&] { (void)s.keys(2); }), Contains("layer 2 is outside"));
+    CHECK_THAT(error_of([&] { (void)s.positions(3, 0); }), Contains("layer 3 is outside"));
+    unchanged();
+  }
+  SECTION("shapes") {
+    std::vector<float> big(3 * 12 * 16 * 7, 0.5f);
+    auto blk = [&](std::int64_t heads, std::int64_t n, std::int64_t d) {
+      return KVView<const float>::hnd(big.data(), 1, heads, n, d);
+    };
+    CHECK_THAT(error_of([&] { s.append(0, blk(3, 2, kD), seq.V(0, 5, 2), seq.Q(0, 5, 2)); }),
+               Contains("session: k must be [1][2][n][8], got [1][3][2][8]"));
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), blk(kHkv, 2, 4), seq.Q(0, 5, 2)); }),
+               Contains("session: v must be [1][2][n][8], got [1][2][2][4]"));
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 3), seq.Q(0, 5, 2)); }),
+               Contains("v has 3 tokens, k has 2"));
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 2), blk(4, 2, kD)); }),
+               Contains("session: q must be [1][6][n][8], got [1][4][2][8]"));
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 2), seq.Q(0, 5, 1)); }),
+               Contains("q has 1 tokens, k has 2"));
+    KVView<const float> two_layers = blk(kHkv, 2, kD);
+    two_layers.layers = 2;
+    CHECK_THAT(error_of([&] { s.append(0, two_layers, seq.V(0, 5, 2), seq.Q(0, 5, 2)); }),
+               Contains("k must be [1][2][n][8], got [2][2][2][8]"));
+    CHECK_THAT(error_of([&] { s.attend(0, blk(kHq, 1, 4), out.data()); }), Contains("q must be [1][6][n][8]"));
+    CHECK_THAT(error_of([&] { s.attend(0, seq.Q(0, 4, 1), nullptr); }), Contains("out is null"));
+    unchanged();
+  }
+  SECTION("missing queries for a policy that reads them") {
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 1), seq.V(0, 5, 1)); }),
+               Contains("policy 'snapkv(window=4,kernel=3)' needs the queries; pass q"));
+    unchanged();
+  }
+  SECTION("NaN / Inf in appended k, v, q") {
+    std::vector<float> bad(seq.k[0]);
+    KVView<float>::hnd(bad.data(), 1, kHkv, 12, kD).at(0, 1, 6, 2) = std::numeric_limits<float>::quiet_NaN();
+    const auto bad_k = Sequence<float>::slice(bad, kHkv, 12, 5, 2);
+    CHECK_THAT(error_of([&] { s.append(0, bad_k, seq.V(0, 5, 2), seq.Q(0, 5, 2)); }),
+               Contains("k contains a non-finite value (nan) at layer 0, head 1, token 1, dim 2"));
+    unchanged();
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), bad_k, seq.Q(0, 5, 2)); }),
+               Contains("v contains a non-finite value (nan)"));
+    unchanged();
+    std::vector<float> badq(seq.q[0]);
+    KVView<float>::hnd(badq.data(), 1, kHq, 12, kD).at(0, 5, 5, 0) = std::numeric_limits<float>::infinity();
+    CHECK_THAT(error_of([&] { s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 2), Sequence<float>::slice(badq, kHq, 12, 5, 2)); }),
+               Contains("q contains a non-finite value (inf) at layer 0, head 5, token 0"));
+    unchanged();
+    // A valid append after the failures continues at position 5.
+    s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 2), seq.Q(0, 5, 2));
+    auto pos = s.positions(0, 1);
+    CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6});
+  }
+  SECTION("configuration") {
+    auto bad_cfg = config(Budget::tokens(6));
+    bad_cfg.q_heads = 5;
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("knorm"), bad_cfg); }),
+               Contains("q_heads 5 is not a positive multiple of kv_heads 2"));
+    bad_cfg = config(Budget::tokens(6));
+    bad_cfg.layers = 0;
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("knorm"), bad_cfg); }),
+               Contains("layers, kv_heads and head_dim must be positive"));
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("knorm"), config(Budget::ratio(2.0))); }),
+               Contains("budget ratio 2 is above 1"));
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("knorm"), config(Budget::tokens(-4))); }),
+               Contains("budget is negative (-4)"));
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("h2o(reduce=max)"), config(Budget::tokens(4))); }),
+               Contains("reduce=max cannot be accumulated"));
+    CHECK_THAT(error_of([&] { (void)Session<float>(kvpolicy::Policy("knorm"), config(Budget::tokens(4), 0)); }),
+               Contains("initial_capacity must be positive"));
+  }
+  SECTION("budget below the protected count at compression") {
+    Session<float> t(kvpolicy::Policy("snapkv(window=8,kernel=3)"), config(Budget::tokens(5)));
+    t.append(0, seq.K(0, 0, 12), seq.V(0, 0, 12), seq.Q(0, 0, 12));
+    CHECK_THAT(error_of([&] { t.compress_if_due(0); }),
+               Contains("budget of 5 tokens per head is below the 8 tokens snapkv protects"));
+    CHECK(t.length(0, 0) == 12);
+    CHECK(t.length(0, 1) == 12);
+    // The failed first compression fixed nothing: it is still due, and succeeds with more room.
+    CHECK(t.budgets(0).empty());
+  }
+}
