@@ -132,34 +132,53 @@ class Session {
   // and the current length; later calls compress back to them.
   Selection compress(std::int64_t layer) {
     Layer& L = at(layer);
-    const std::int64_t len = L.lengths[0];
-    for (std::int64_t h = 1; h < cfg_.kv_heads; ++h)
-      KVP_REQUIRE(L.lengths[static_cast<std::size_t>(h)] == len, "session.compress: KV heads of "
-                  "layer ", layer, " have different lengths; re-compressing a ragged layer needs "
-                  "a per-head allocator");
-    if (L.budgets.empty() && len == 0) return Selection(1, cfg_.kv_heads);  // ratio of nothing
+    const std::int64_t H = cfg_.kv_heads, d = cfg_.head_dim;
+    const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
+    const bool ragged = *std::min_element(L.lengths.begin(), L.lengths.end()) != len;
+    if (L.budgets.empty() && len == 0) return Selection(1, H);  // ratio of nothing
     // Fixed only once the selection succeeded: a failed first compression (budget below the
     // protected count) must leave the layer as it was, still due.
     std::vector<std::int64_t> budgets = L.budgets;
     if (budgets.empty())
       budgets = cfg_.budget.kind() == Budget::Kind::per_head
-                    ? std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.kv_heads),
+                    ? std::vector<std::int64_t>(static_cast<std::size_t>(H),
                                                 static_cast<std::int64_t>(cfg_.budget.value()))
-                    : cfg_.budget.resolve(1, cfg_.kv_heads, len);
+                    : cfg_.budget.resolve(1, H, len);
     Inputs<T> in;
     in.keys = keys(layer).prefix(len);
     in.values = values(layer).prefix(len);
     if (window_ > 0 && L.q_count > 0) {
-      in.queries = KVView<const T>::hnd(L.q.data() + (window_ - L.q_count) * cfg_.head_dim, 1,
-                                        cfg_.q_heads, L.q_count, cfg_.head_dim);
-      in.queries.stride_head = window_ * cfg_.head_dim;
+      in.queries = KVView<const T>::hnd(L.q.data() + (window_ - L.q_count) * d, 1, cfg_.q_heads,
+                                        L.q_count, d);
+      in.queries.stride_head = window_ * d;
     }
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
     in.state_stride = L.capacity;
-    const Budget per_head = Budget::total(std::accumulate(budgets.begin(), budgets.end(),
-                                                          std::int64_t{0}));
-    Selection sel = policy_.select(cfg_.backend, in, per_head);
+    Selection sel(1, H);
+    if (!ragged) {
+      sel = policy_.select(cfg_.backend, in, Budget::total(std::accumulate(
+                                                 budgets.begin(), budgets.end(), std::int64_t{0})));
+    } else {
+      // Heads of different lengths (a budget that does not divide evenly, or per-head budgets):
+      // each KV head, with its own query group and state, is an event of its own.
+      const std::int64_t g = cfg_.q_heads / H;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t n = L.lengths[static_cast<std::size_t>(h)];
+        Inputs<T> one = in;
+        one.keys = head_view(in.keys, h, n);
+        one.values = head_view(in.values, h, n);
+        if (in.queries.data) {
+          one.queries.data = in.queries.row(0, h * g, 0);
+          one.queries.heads = g;
+        }
+        one.accumulated = in.accumulated + h * L.capacity;
+        one.observed = in.observed + h * L.capacity;
+        sel.kept(0, h) = policy_.select(cfg_.backend, one,
+                                        Budget::total(budgets[static_cast<std::size_t>(h)]))
+                             .kept(0, 0);
+      }
+    }
     L.budgets = std::move(budgets);
     const KVView<T> kv = KVView<T>::hnd(L.k.data(), 1, cfg_.kv_heads, len, cfg_.head_dim);
     KVView<T> k_mut = kv, v_mut = kv;
@@ -219,6 +238,14 @@ class Session {
     return layers_[static_cast<std::size_t>(l)];
   }
   const Layer& at(std::int64_t l) const { return const_cast<Session*>(this)->at(l); }
+
+  static KVView<const T> head_view(const KVView<const T>& v, std::int64_t h, std::int64_t n) {
+    KVView<const T> out = v;
+    out.data = v.row(0, h, 0);
+    out.heads = 1;
+    out.tokens = n;
+    return out;
+  }
 
   KVView<const T> view(const Layer& L, const std::vector<T>& buf) const {
     KVView<const T> v = KVView<const T>::hnd(buf.data(), 1, cfg_.kv_heads, L.capacity,

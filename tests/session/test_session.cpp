@@ -472,3 +472,33 @@ TEST_CASE("Session rejects bad arguments and leaves its state unchanged", "[sess
     CHECK(t.budgets(0).empty());
   }
 }
+
+TEST_CASE("Session H2O with a budget that does not divide evenly over heads", "[session]") {
+  // total(9) over 2 KV heads resolves to 5 + 4: the heads have different lengths after the
+  // prefill, and decode-time eviction must compress each head back to its own budget.
+  const std::int64_t P = 20, steps = 6;
+  Sequence<float> seq(P + steps, 41);
+  Session<float> s(kvpolicy::Policy("h2o(recent=0.5)"), config(Budget::total(9)));
+  std::vector<float> out(kHq * P * kD);
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, P), seq.V(l, 0, P));
+    s.attend(l, seq.Q(l, 0, P), out.data());
+    REQUIRE(s.compress_if_due(l));
+    REQUIRE(s.length(l, 0) == 5);
+    REQUIRE(s.length(l, 1) == 4);
+  }
+  for (std::int64_t p = P; p < P + steps; ++p)
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, p, 1), seq.V(l, p, 1));
+      s.attend(l, seq.Q(l, p, 1), out.data());
+      REQUIRE(s.compress_if_due(l));
+      CHECK(s.length(l, 0) == 5);
+      CHECK(s.length(l, 1) == 4);
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        auto pos = s.positions(l, h);
+        // The newest token is always kept (recent = floor(0.5 * budget) >= 2) and order holds.
+        CHECK(pos.back() == p);
+        CHECK(std::is_sorted(pos.begin(), pos.end()));
+      }
+    }
+}
