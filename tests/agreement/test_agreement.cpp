@@ -110,7 +110,8 @@ std::vector<T> random_cache(const Case& c, std::uint64_t seed) {
 
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  if (a.size() != b.size()) return false;
+  return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 void require_same_selection(const Selection& got, const Selection& want) {

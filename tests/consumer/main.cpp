@@ -51,7 +51,7 @@ int main() {
   sel_in.keys = keys;
   sel_in.values = values;
   const kvpolicy::Pipeline<kvpolicy::SnapKV, kvpolicy::Uniform> pipeline(
-      kvpolicy::SnapKV{4, 5, kvpolicy::Pool::avg, kvpolicy::GqaReduce::mean, 0},
+      kvpolicy::SnapKV{.window = 4},
       kvpolicy::Uniform{});
   const kvpolicy::Selection expected = pipeline.select(cpu, sel_in, budget);
 
