@@ -8,27 +8,39 @@
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/cpu/compact.hpp"
 #include "kvpolicy/cpu/select.hpp"
+#include "kvpolicy/scorers/common.hpp"
 
 namespace kvpolicy {
 
 namespace detail {
 
 // One compression event's selection: validate inputs, resolve the budget, score, let the
-// allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain.
+// allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain;
+// `req` is what that chain reads (merged over its stages), `ev` where the event sits.
 template <class S, Element T, class AllocateFn>
 Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& allocate,
-                        const Inputs<T>& in, const Budget& budget, Stats& stats,
-                        ScoreMap* scores_out) {
-  validate(in, scorer.needs(), scorer.query_window());
+                        const AllocRequirements& req, const Inputs<T>& in, const Budget& budget,
+                        Stats& stats, ScoreMap* scores_out, const EventInfo& ev = {}) {
+  KVP_REQUIRE(req.order_error.empty(), req.order_error);
+  validate(in, scorer.needs() | req.needs, std::max(scorer.query_window(), req.window));
   const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
+  KVP_REQUIRE(ev.first_layer >= 0 && ev.model_layers >= 0 &&
+                  (ev.model_layers == 0 || ev.first_layer + L <= ev.model_layers),
+              "event layers [", ev.first_layer, ", ", ev.first_layer + L,
+              ") do not fit a model of ", ev.model_layers, " layers");
+  KVP_REQUIRE(ev.alloc_state_stride == 0 || ev.alloc_state_stride >= Tk, "alloc_state_stride ",
+              ev.alloc_state_stride, " is below the ", Tk, " tokens of the event");
   std::vector<std::int64_t> budgets = budget.resolve(L, H, Tk);
   const std::int64_t per_row = (L * H > 0) ? budget.global(L, H, Tk) / (L * H) : 0;
-  const Protect protect = scorer.protect(Tk, per_row);
+  const Protect own = scorer.protect(Tk, per_row);
+  const Protect protect{std::max(own.sinks, req.protect.sinks),
+                        std::max(own.recent, req.protect.recent)};
+  const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
   const std::int64_t n_protected = protect.total(Tk);
   for (std::int64_t b : budgets)
     KVP_REQUIRE(b >= Tk || b >= n_protected, "budget of ", b, " tokens per head is below the ",
-                n_protected, " tokens ", S::name, " protects (", protect.sinks, " sinks + ",
-                protect.recent, " recent)");
+                n_protected, " tokens ", S::name, widened ? " and its allocators protect (" :
+                " protects (", protect.sinks, " sinks + ", protect.recent, " recent)");
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;
   bool evicts = false;
@@ -43,7 +55,20 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
     return all;
   }
   scorer.score(be, in, stats, scores);
-  allocate(AllocContext{&scores, Tk, protect}, std::span<std::int64_t>(budgets));
+  for (std::int64_t w : req.windows)
+    if (in.queries.data && in.queries.tokens > 0)
+      window_attention_stat(be, in, stats, w, GqaReduce::mean);
+  AllocContext ctx;
+  ctx.scores = &scores;
+  ctx.tokens = Tk;
+  ctx.protect = protect;
+  ctx.first_layer = ev.first_layer;
+  ctx.model_layers = ev.model_layers > 0 ? ev.model_layers : L;
+  ctx.stats = &stats;
+  ctx.queries = in.queries.data ? in.queries.tokens : 0;
+  ctx.state = ev.alloc_state;
+  ctx.state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : Tk;
+  allocate(ctx, std::span<std::int64_t>(budgets));
   Selection sel;
   cpu::select(be, scores, budgets, protect, sel);
   return sel;
@@ -101,17 +126,28 @@ class Pipeline {
 
   const S& scorer() const { return scorer_; }
 
-  // Kept token indices per (layer, KV head). `scores`, if given, receives the scorer's output.
+  // Kept token indices per (layer, KV head). `scores`, if given, receives the scores the
+  // selection used (the scorer's output, with non-candidates at -inf after a token-level
+  // allocator such as ams).
   template <Element T>
   Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
                    ScoreMap* scores = nullptr) const {
+    return select(be, in, budget, EventInfo{}, scores);
+  }
+  // The same for an event that is part of a larger model (one layer at a time) or that carries
+  // per-token allocator state; see EventInfo.
+  template <Element T>
+  Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
+                   const EventInfo& ev, ScoreMap* scores = nullptr) const {
     Stats stats;
+    AllocRequirements req;
+    std::apply([&](const auto&... a) { (req.add(a), ...); }, allocators_);
     return detail::select_tokens(
         be, scorer_,
         [&](const AllocContext& ctx, std::span<std::int64_t> b) {
           std::apply([&](const auto&... a) { (a.allocate(ctx, b), ...); }, allocators_);
         },
-        in, budget, stats, scores);
+        req, in, budget, stats, scores, ev);
   }
 
   // Selects and compacts in.keys / in.values in place (they must be mutable views of the same

@@ -57,6 +57,8 @@ class Policy {
                   "unknown stage '", stages[i].name, "' after the scorer (valid: ", alloc_names,
                   "; the first stage must be a scorer: ", scorer_names, ")");
       allocators_.push_back(a);
+      std::visit([&](const auto& al) { req_.add(al); }, a);
+      KVP_REQUIRE(req_.order_error.empty(), "policy spec '", spec, "': ", req_.order_error);
       spec_ += " | " + stages[i].text;
     }
   }
@@ -66,22 +68,56 @@ class Policy {
     return std::visit([](const auto& s) { return std::string_view(s.name); }, scorer_);
   }
   const AnyScorer& scorer() const { return scorer_; }
+  // What the scorer and the allocators read.
   Needs needs() const {
-    return std::visit([](const auto& s) { return s.needs(); }, scorer_);
+    return std::visit([](const auto& s) { return s.needs(); }, scorer_) | req_.needs;
   }
-  // Queries the scorer reads: 0 none, -1 all of them (H2O without accumulated state).
+  // Queries the policy reads: 0 none, -1 all of them (H2O without accumulated state). An
+  // allocator that reads a bounded window (ams) turns -1 into that window: with it, the
+  // accumulated statistics are the only way H2O can be served.
   std::int64_t query_window() const {
-    return std::visit([](const auto& s) { return s.query_window(); }, scorer_);
+    const std::int64_t s = std::visit([](const auto& s) { return s.query_window(); }, scorer_);
+    return s < 0 && req_.window > 0 ? req_.window : std::max(s, req_.window);
   }
+  // Tokens always kept: the scorer's, widened by the allocators' own (ams sinks and last tokens).
   Protect protect(std::int64_t tokens, std::int64_t budget) const {
-    return std::visit([&](const auto& s) { return s.protect(tokens, budget); }, scorer_);
+    const Protect p = std::visit([&](const auto& s) { return s.protect(tokens, budget); }, scorer_);
+    return {std::max(p.sinks, req_.protect.sinks), std::max(p.recent, req_.protect.recent)};
+  }
+  const std::vector<AnyAllocator>& allocators() const { return allocators_; }
+  // True when an allocator keeps per-token state across events (ams credit): the owner of the
+  // cache should then pass EventInfo::alloc_state and compact it with K/V.
+  bool alloc_state() const { return req_.state; }
+  // The policy for events whose per-head budgets are already fixed (a Session's compressions
+  // after the first): the layer and head allocators (pyramid, depthkv, adakv), which decided
+  // those budgets at the first event, are left out; scorer, segment allocators (ams) and
+  // requirements stay. Re-running them would re-split budgets that are no longer uniform.
+  Policy with_fixed_budgets() const {
+    Policy p = *this;
+    p.allocators_.clear();
+    for (const auto& a : allocators_) {
+      const bool keep = std::visit(
+          [](const auto& al) {
+            constexpr AllocLevel lv = detail::alloc_level<std::decay_t<decltype(al)>>();
+            return lv != AllocLevel::layers && lv != AllocLevel::heads;
+          },
+          a);
+      if (keep) p.allocators_.push_back(a);
+    }
+    return p;
   }
   // True for policies that evict at every decode step once the budget is reached (H2O).
   bool decode_time() const { return std::holds_alternative<H2O>(scorer_); }
 
+  // See Pipeline::select.
   template <Element T>
   Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
                    ScoreMap* scores = nullptr) const {
+    return select(be, in, budget, EventInfo{}, scores);
+  }
+  template <Element T>
+  Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
+                   const EventInfo& ev, ScoreMap* scores = nullptr) const {
     Stats stats;
     return std::visit(
         [&](const auto& s) {
@@ -91,7 +127,7 @@ class Policy {
                 for (const auto& a : allocators_)
                   std::visit([&](const auto& al) { al.allocate(ctx, b); }, a);
               },
-              in, budget, stats, scores);
+              req_, in, budget, stats, scores, ev);
         },
         scorer_);
   }
@@ -106,6 +142,7 @@ class Policy {
  private:
   AnyScorer scorer_;
   std::vector<AnyAllocator> allocators_;
+  AllocRequirements req_;
   std::string spec_;
 };
 

@@ -3,6 +3,10 @@
 #pragma once
 #include <tuple>
 
+#include "kvpolicy/allocators/adakv.hpp"
+#include "kvpolicy/allocators/ams.hpp"
+#include "kvpolicy/allocators/depthkv.hpp"
+#include "kvpolicy/allocators/pyramid.hpp"
 #include "kvpolicy/allocators/uniform.hpp"
 #include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/keydiff.hpp"
@@ -14,6 +18,6 @@
 namespace kvpolicy {
 
 using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff>;
-using allocator_types = std::tuple<Uniform>;
+using allocator_types = std::tuple<Uniform, Pyramid, DepthKV, AdaKV, AMS>;
 
 }  // namespace kvpolicy

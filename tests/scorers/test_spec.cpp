@@ -26,7 +26,7 @@ TEST_CASE("bad policy specs raise kvpolicy::Error naming the problem", "[scorers
   REQUIRE_THROWS_WITH(Policy("snapkvv"),
                       Contains("unknown scorer 'snapkvv'") && Contains("snapkv"));
   REQUIRE_THROWS_WITH(Policy("uniform"), Contains("unknown scorer 'uniform'"));
-  REQUIRE_THROWS_WITH(Policy("snapkv | pyramid"), Contains("unknown stage 'pyramid'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | pyramidd"), Contains("unknown stage 'pyramidd'"));
   REQUIRE_THROWS_WITH(Policy("snapkv(windw=8)"),
                       Contains("unknown parameter 'windw'") && Contains("window"));
   REQUIRE_THROWS_WITH(Policy("knorm(window=8)"), Contains("unknown parameter 'window'"));

@@ -49,6 +49,12 @@ class Params {
                 "' expects an integer, got '", s, "'");
     return v;
   }
+  // Any text (a file path, a list); the stage parses it.
+  std::string get_string(const std::string& key, const std::string& def) {
+    known_.insert(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? def : it->second;
+  }
   bool get_bool(const std::string& key, bool def) {
     std::string v = get_choice(key, def ? "true" : "false", {"true", "false", "1", "0"});
     return v == "true" || v == "1";

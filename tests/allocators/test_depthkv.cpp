@@ -1,0 +1,153 @@
+// DepthKV: per-layer budgets in proportion to a sensitivity profile, clipped to [B_min, T] and
+// redistributed so they sum exactly; profile files (missing layers, NaN, negative values,
+// malformed JSON) rejected with messages naming the problem.
+#include <vector>
+
+#include "allocators/alloc_util.hpp"
+#include "scorers/naive.hpp"
+
+using namespace kvpolicy;
+using alloc_test::context;
+using Catch::Contains;
+
+namespace {
+
+DepthKV profile(const std::vector<double>& s) { return DepthKV::from_values(s, "test"); }
+
+std::vector<std::int64_t> run(const DepthKV& d, std::int64_t L, std::int64_t T, std::int64_t b,
+                              Protect prot, std::int64_t H = 1) {
+  ScoreMap s(L, H, T);
+  std::vector<std::int64_t> budgets(static_cast<std::size_t>(L * H), b);
+  d.allocate(context(s, prot), budgets);
+  return budgets;
+}
+
+}  // namespace
+
+TEST_CASE("depthkv: budgets in proportion to sensitivity, by hand", "[allocators][depthkv]") {
+  // Equal sensitivities: uniform.
+  CHECK(run(profile({1, 1, 1, 1}), 4, 1000, 100, {}) == std::vector<std::int64_t>(4, 100));
+  // 4 * 100 * s / 10 = 40, 80, 120, 160.
+  CHECK(run(profile({1, 2, 3, 4}), 4, 1000, 100, {}) ==
+        std::vector<std::int64_t>{40, 80, 120, 160});
+  // Scale does not matter.
+  CHECK(run(profile({0.1, 0.2, 0.3, 0.4}), 4, 1000, 100, {}) ==
+        std::vector<std::int64_t>{40, 80, 120, 160});
+  // Several heads: each head column split the same way.
+  CHECK(run(profile({1, 3}), 2, 1000, 100, {}, 2) == std::vector<std::int64_t>{50, 50, 150, 150});
+}
+
+TEST_CASE("depthkv: clipping at T and at B_min is redistributed exactly", "[allocators][depthkv]") {
+  // T = 150: raw 50, 50, 50, 250 -> layer 3 clipped to 150; its 100 excess goes to the others:
+  // 83.33 each -> 84, 83, 83 (the unit lost to rounding goes to the first), sum 400.
+  CHECK(run(profile({1, 1, 1, 5}), 4, 150, 100, {}) ==
+        std::vector<std::int64_t>{84, 83, 83, 150});
+  // B_min = 10 protected tokens: layer 0 (sensitivity 0) is lifted to 10, the rest share 150.
+  CHECK(run(profile({0, 1, 1, 1}), 4, 1000, 40, {2, 8}) ==
+        std::vector<std::int64_t>{10, 50, 50, 50});
+  // min_tokens raises the floor above the protected tokens.
+  DepthKV d = profile({0, 1, 1, 1});
+  d.min_tokens = 25;
+  CHECK(run(d, 4, 1000, 40, {2, 8}) == std::vector<std::int64_t>{25, 45, 45, 45});
+  d.min_tokens = 41;
+  REQUIRE_THROWS_WITH(run(d, 4, 1000, 40, {2, 8}), Contains("depthkv: min_tokens 41 is above"));
+  // All-zero profile: uniform.
+  CHECK(run(profile({0, 0, 0}), 3, 1000, 70, {}) == std::vector<std::int64_t>(3, 70));
+}
+
+TEST_CASE("depthkv: random profiles conserve the budget exactly", "[allocators][depthkv]") {
+  kvtest::Rng rng(17);
+  for (int it = 0; it < 400; ++it) {
+    const std::int64_t L = rng.integer(1, 48), H = rng.integer(1, 3), T = rng.integer(1, 2000);
+    std::vector<double> s(static_cast<std::size_t>(L));
+    for (auto& x : s) x = rng.integer(0, 4) == 0 ? 0.0 : rng.uniform(0, 5);  // zeros and spikes
+    if (rng.integer(0, 3) == 0) s[static_cast<std::size_t>(rng.integer(0, L - 1))] = 1e6;
+    const Protect prot{rng.integer(0, 4), rng.integer(0, 40)};
+    const std::int64_t lo = prot.total(T);
+    ScoreMap sm(L, H, T);
+    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
+    for (auto& x : b) x = rng.integer(lo, T);
+    const std::int64_t total = alloc_test::sum(b);
+    INFO("L=" << L << " H=" << H << " T=" << T);
+    profile(s).allocate(context(sm, prot), b);
+    REQUIRE(alloc_test::sum(b) == total);
+    for (auto x : b) {
+      REQUIRE(x >= lo);
+      REQUIRE(x <= T);
+    }
+  }
+}
+
+TEST_CASE("depthkv: profile files", "[allocators][depthkv]") {
+  const alloc_test::TempFile good(
+      "depthkv_good.json",
+      R"({"model": "tiny", "scorer": "snapkv", "budget": 0.2, "metric": "kl",
+          "notes": {"a": [1, 2, {"b": null}], "c": true}, "layers": 3,
+          "sensitivity": [0.5, 1.5e0, 2]})");
+  const LayerProfile p = load_layer_profile(good.path);
+  CHECK(p.model == "tiny");
+  CHECK(p.scorer == "snapkv");
+  CHECK(p.sensitivity == std::vector<double>{0.5, 1.5, 2});
+  const Policy pol("snapkv(window=4) | depthkv(profile=" + good.path + ")");
+  const auto& d = std::get<DepthKV>(pol.allocators().at(0));
+  CHECK(d.layers == 3);
+  CHECK(d.sensitivity[2] == 2.0f);
+
+  auto bad = [](const std::string& json) { return parse_layer_profile(json, "p.json"); };
+  REQUIRE_THROWS_WITH(bad(R"({"layers": 4, "sensitivity": [1, 2, 3]})"),
+                      Contains("\"layers\" is 4 but \"sensitivity\" lists 3 values (missing layers)"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, NaN, 3]})"),
+                      Contains("profile 'p.json': sensitivity of layer 1 is NaN"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, 2, -0.5]})"),
+                      Contains("sensitivity of layer 2 is negative"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [Infinity]})"), Contains("layer 0 is infinite"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": []})"), Contains("lists no layers"));
+  REQUIRE_THROWS_WITH(bad(R"({"model": "x"})"), Contains("no \"sensitivity\" array"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, "two"]})"), Contains("expects numbers"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": 3})"), Contains("must be an array of numbers"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, 2)"), Contains("expected ']'"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1]} x)"), Contains("unexpected text"));
+  REQUIRE_THROWS_AS(bad("not json"), Error);
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(profile=no_such_profile.json)"),
+                      Contains("depthkv: cannot open profile 'no_such_profile.json'"));
+}
+
+TEST_CASE("depthkv: the profile must match the model's layers", "[allocators][depthkv]") {
+  kvtest::Rng rng(2);
+  const auto c = naive::random_case<float>(rng, 4, 2, 1, 64, 4, 8, Layout::HND);
+  const Policy three("snapkv(window=4) | depthkv(weights=1:2:3)");
+  REQUIRE_THROWS_WITH(three.select(cpu_backend{1}, c.inputs(), Budget::tokens(20)),
+                      Contains("depthkv: the profile has 3 layers but the model has 4 (missing layers)"));
+  const Policy five("snapkv(window=4) | depthkv(weights=1:2:3:4:5)");
+  REQUIRE_THROWS_WITH(five.select(cpu_backend{1}, c.inputs(), Budget::tokens(20)),
+                      Contains("the profile has 5 layers but the model has 4"));
+  // One layer of a 5-layer model: fine.
+  Inputs<float> one = c.inputs();
+  one.keys.layers = 1;
+  one.queries.layers = 1;
+  const Selection sel = five.select(cpu_backend{1}, one, Budget::tokens(20), EventInfo{4, 5});
+  // Targets 100 * s / 15 = 6.67, 13.33, 20, 26.67, 33.33 round to 7, 13, 20, 27, 33 (sum 100).
+  CHECK(sel.count(0, 0) == 33);
+}
+
+TEST_CASE("depthkv: spec parameters", "[allocators][depthkv][spec]") {
+  const Policy p("snapkv | depthkv(weights=1:0.5:2, min_tokens=70)");
+  const auto& d = std::get<DepthKV>(p.allocators().at(0));
+  CHECK(d.layers == 3);
+  CHECK(d.sensitivity[1] == 0.5f);
+  CHECK(d.min_tokens == 70);
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv"), Contains("give exactly one of 'profile'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:2, profile=a.json)"),
+                      Contains("give exactly one of 'profile'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:x)"),
+                      Contains("'weights' expects numbers separated by ':'"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1::2)"), Contains("'weights' expects"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:-2)"),
+                      Contains("sensitivity of layer 1 is negative"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:nan)"),
+                      Contains("sensitivity of layer 1 is not finite"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1, min_tokens=-3)"),
+                      Contains("depthkv: min_tokens must be >= 0"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1, floor=3)"),
+                      Contains("unknown parameter 'floor'"));
+}
