@@ -1,8 +1,9 @@
 // Session: the KV cache of one sequence, all layers, as a policy sees it. An engine, per layer:
 //   append(l, k_new, v_new, q_new)   new tokens' K/V (and queries when the policy reads them)
 //   attend(l, q, out)                attention over the cache (updates H2O accumulators)
-//   compress_if_due(l)               prefill compression to the budget, then for decode-time
-//                                    policies (H2O) greedy eviction back to it after each step
+//   compress_if_due(l)               prefill compression to the budget, then decode-time
+//                                    compression back to the targets every decode_interval
+//                                    tokens (every token for H2O; see SessionConfig)
 // and reads the ragged cache back with keys(l) / values(l) / lengths(l). Storage is per layer,
 // HND, one capacity for all heads of a layer; every KV head has its own length, so per-head
 // budgets shrink memory for real. Per-token state (original positions, H2O accumulators and
@@ -10,6 +11,7 @@
 #pragma once
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -25,12 +27,30 @@ struct SessionConfig {
   Budget budget = Budget::ratio(1.0);
   std::int64_t initial_capacity = 256;  // tokens; storage grows by doubling
   cpu_backend backend{};
+  // Recording for fork(): keep at least this many of the newest queries per query head, and
+  // accumulate H2O statistics (mean attention over each KV head's query group) even when the
+  // session's own policy reads neither. A full-cache session that records both can be forked
+  // into any policy whose window is at most `record_queries`.
+  std::int64_t record_queries = 0;
+  bool record_attention = false;
+  // Decode-time compression, after the prefill compression: once `decode_interval` tokens have
+  // been appended since a layer's last compression, every head of it longer than its target is
+  // compressed back to exactly the target (so the cache oscillates between target and
+  // target + interval). 0: the policy's default, which is every token for decode-time
+  // policies (H2O) and never for the others. Targets: `decode_target` resolved against the
+  // prompt length (Budget::tokens(n) per head, Budget::total(n) over a layer's heads,
+  // Budget::ratio(r) of the prompt); unset: what the prefill compression kept per head (or
+  // its per-head budget where it kept everything). Statistics are not recomputed: H2O sums
+  // and recorded queries carry over and are compacted with the tokens.
+  std::int64_t decode_interval = 0;
+  std::optional<Budget> decode_target;
 };
 
 template <Element T>
 class Session {
  public:
-  Session(Policy policy, SessionConfig cfg) : policy_(std::move(policy)), cfg_(cfg) {
+  Session(Policy policy, SessionConfig cfg)
+      : policy_(std::move(policy)), fixed_policy_(policy_.with_fixed_budgets()), cfg_(cfg) {
     KVP_REQUIRE(cfg.layers > 0 && cfg.kv_heads > 0 && cfg.head_dim > 0,
                 "session: layers, kv_heads and head_dim must be positive (got ", cfg.layers,
                 ", ", cfg.kv_heads, ", ", cfg.head_dim, ")");
@@ -41,7 +61,12 @@ class Session {
     if (const auto* h2o = std::get_if<H2O>(&policy_.scorer()))
       KVP_REQUIRE(h2o->reduce != GqaReduce::max,
                   "session: h2o with reduce=max cannot be accumulated step by step; use mean or sum");
-    window_ = std::max<std::int64_t>(0, policy_.query_window());
+    KVP_REQUIRE(cfg.record_queries >= 0, "session: record_queries must be >= 0 (got ",
+                cfg.record_queries, ")");
+    KVP_REQUIRE(cfg.decode_interval >= 0, "session: decode_interval must be >= 0 (got ",
+                cfg.decode_interval, "; 0 is the policy's default)");
+    if (cfg.decode_target) cfg.decode_target->validate();
+    window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg.record_queries});
     layers_.resize(static_cast<std::size_t>(cfg.layers));
     for (auto& L : layers_) {
       L.lengths.assign(static_cast<std::size_t>(cfg.kv_heads), 0);
@@ -50,6 +75,54 @@ class Session {
   }
 
   const Policy& policy() const { return policy_; }
+
+  // A copy of this session (cache, positions, statistics, recorded queries) that will compress
+  // with `policy` to `budget` at its next compress_if_due(), as if it had been created with them
+  // before the prompt went in. This is how one full-cache prefill serves many policies. Requires
+  // a session that has not compressed anything away yet (every head still holds every token),
+  // that recorded at least the policy's query window, and, for H2O, the attention statistics.
+  Session fork(Policy policy, Budget budget, std::int64_t decode_interval = 0,
+               std::optional<Budget> decode_target = std::nullopt) const {
+    budget.validate();
+    KVP_REQUIRE(decode_interval >= 0, "session.fork: decode_interval must be >= 0 (got ",
+                decode_interval, ")");
+    if (decode_target) decode_target->validate();
+    for (const auto& L : layers_)
+      for (auto len : L.lengths)
+        KVP_REQUIRE(len == L.next_position, "session.fork: a layer holds ", len, " of its ",
+                    L.next_position, " tokens; fork only a session that kept everything");
+    const std::int64_t w = policy.query_window();
+    KVP_REQUIRE(w <= window_ || (w < 0 && has(policy.needs(), Needs::accumulated) &&
+                                 !has(policy.needs(), Needs::queries)),
+                "session.fork: policy '", policy.spec(), "' reads the last ", w,
+                " queries but this session kept ", window_, " (raise SessionConfig::record_queries)");
+    const auto* h2o = std::get_if<H2O>(&policy.scorer());
+    const bool acc = has(policy.needs(), Needs::accumulated);
+    KVP_REQUIRE(!acc || tracks_attention(), "session.fork: policy '", policy.spec(),
+                "' reads accumulated attention but this session did not record it (set "
+                "SessionConfig::record_attention)");
+    KVP_REQUIRE(!h2o || h2o->reduce != GqaReduce::max,
+                "session: h2o with reduce=max cannot be accumulated step by step; use mean or sum");
+    Session out = *this;
+    const float from = acc_scale(policy_), to = acc_scale(policy);
+    out.policy_ = std::move(policy);
+    out.fixed_policy_ = out.policy_.with_fixed_budgets();
+    out.cfg_.budget = budget;
+    out.cfg_.decode_interval = decode_interval;
+    out.cfg_.decode_target = decode_target;
+    for (auto& L : out.layers_) {
+      L.budgets.clear();
+      L.decode_targets_set = false;
+      // A stateful allocator (AMS) starts from zero credit, as on a first event.
+      if (out.policy_.alloc_state())
+        L.credit.assign(static_cast<std::size_t>(cfg_.kv_heads * L.capacity), 0.f);
+      else
+        L.credit.clear();
+      if (acc && from != to)
+        for (auto& a : L.acc) a *= to / from;
+    }
+    return out;
+  }
   const SessionConfig& config() const { return cfg_; }
 
   // Appends n tokens to every KV head of `layer`. k, v: [1][Hkv][n][d]; q: [1][Hq][n][d] or empty.
@@ -82,10 +155,12 @@ class Session {
         L.positions[s] = static_cast<std::int32_t>(L.next_position + t);
         L.acc[s] = 0.f;
         L.observed[s] = 0.f;
+        if (!L.credit.empty()) L.credit[s] = 0.f;
       }
       L.lengths[static_cast<std::size_t>(h)] = len + n;
     }
     L.next_position += n;
+    L.since += n;
     if (window_ > 0 && q.data) push_queries(L, q);
   }
 
@@ -98,20 +173,18 @@ class Session {
     cpu::RaggedAttentionArgs args;
     args.lengths = L.lengths.data();
     args.causal = true;
-    if (has(policy_.needs(), Needs::accumulated)) {
+    if (tracks_attention()) {
       args.accumulate = L.acc.data();
       args.observed = L.observed.data();
       args.state_stride = L.capacity;
-      const auto* h2o = std::get_if<H2O>(&policy_.scorer());
-      args.acc_scale = h2o && h2o->reduce == GqaReduce::sum
-                           ? 1.0f
-                           : 1.0f / static_cast<float>(cfg_.q_heads / cfg_.kv_heads);
+      args.acc_scale = acc_scale(policy_);
     }
     cpu::attention(cfg_.backend, keys(layer), values(layer), q, args, out);
   }
 
   // Compresses `layer` if it is due: the first call (prefill) compresses to the configured
-  // budget; later calls evict back to it for decode-time policies. Returns true if it compacted.
+  // budget; later calls compress back to the decode targets every decode_interval() tokens
+  // (see SessionConfig). Returns true if it compacted.
   bool compress_if_due(std::int64_t layer) {
     Layer& L = at(layer);
     if (L.budgets.empty()) {
@@ -119,13 +192,28 @@ class Session {
       compress(layer);
       return true;
     }
-    if (!policy_.decode_time()) return false;
+    const std::int64_t interval = decode_interval();
+    if (interval == 0 || L.since < interval) return false;
+    if (cfg_.decode_target && !L.decode_targets_set) {
+      const Budget& b = *cfg_.decode_target;
+      L.budgets = b.kind() == Budget::Kind::per_head
+                      ? std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.kv_heads),
+                                                  static_cast<std::int64_t>(b.value()))
+                      : b.resolve(1, cfg_.kv_heads, L.prompt_length);
+      L.decode_targets_set = true;
+    }
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       if (L.lengths[static_cast<std::size_t>(h)] > L.budgets[static_cast<std::size_t>(h)]) {
         compress(layer);
         return true;
       }
     return false;
+  }
+
+  // Tokens between decode-time compressions (0: none); see SessionConfig::decode_interval.
+  std::int64_t decode_interval() const {
+    if (cfg_.decode_interval > 0) return cfg_.decode_interval;
+    return policy_.decode_time() ? 1 : 0;
   }
 
   // Compresses `layer` now. The first call fixes the per-head budgets from the configured Budget
@@ -147,21 +235,39 @@ class Session {
     Inputs<T> in;
     in.keys = keys(layer).prefix(len);
     in.values = values(layer).prefix(len);
-    if (window_ > 0 && L.q_count > 0) {
-      in.queries = KVView<const T>::hnd(L.q.data() + (window_ - L.q_count) * d, 1, cfg_.q_heads,
-                                        L.q_count, d);
-      in.queries.stride_head = window_ * d;
+    const std::int64_t pw = policy_.query_window();
+    const std::int64_t nq = pw < 0 ? L.q_count : std::min(L.q_count, pw);
+    std::vector<T> qbuf;
+    if (window_ > 0 && nq > 0) {
+      // The ring holds the newest q_count queries ending at q_next; unroll the newest nq of
+      // them, oldest first.
+      qbuf.resize(static_cast<std::size_t>(cfg_.q_heads * nq * d));
+      for (std::int64_t h = 0; h < cfg_.q_heads; ++h)
+        for (std::int64_t t = 0; t < nq; ++t) {
+          const std::int64_t slot = ((L.q_next - nq + t) % window_ + window_) % window_;
+          std::copy_n(L.q.data() + (h * window_ + slot) * d, d,
+                      qbuf.data() + (h * nq + t) * d);
+        }
+      in.queries = KVView<const T>::hnd(qbuf.data(), 1, cfg_.q_heads, nq, d);
     }
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
     in.state_stride = L.capacity;
     Selection sel(1, H);
-    if (!ragged) {
-      sel = policy_.select(cfg_.backend, in, Budget::total(std::accumulate(
-                                                 budgets.begin(), budgets.end(), std::int64_t{0})));
+    // After the first event the per-head budgets are fixed: no layer/head re-allocation.
+    const Policy& pol = L.budgets.empty() ? policy_ : fixed_policy_;
+    const bool uneven = !L.budgets.empty() &&
+                        *std::min_element(budgets.begin(), budgets.end()) !=
+                            *std::max_element(budgets.begin(), budgets.end());
+    if (!ragged && !uneven) {
+      sel = pol.select(cfg_.backend, in,
+                           Budget::total(std::accumulate(budgets.begin(), budgets.end(),
+                                                         std::int64_t{0})),
+                           EventInfo{layer, cfg_.layers, credit(L, 0), L.capacity});
     } else {
-      // Heads of different lengths (a budget that does not divide evenly, or per-head budgets):
-      // each KV head, with its own query group and state, is an event of its own.
+      // Heads of different lengths or fixed per-head budgets that differ (a budget that does not
+      // divide evenly, per-head allocators): each KV head, with its own query group and state, is
+      // an event of its own.
       const std::int64_t g = cfg_.q_heads / H;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t n = L.lengths[static_cast<std::size_t>(h)];
@@ -174,12 +280,26 @@ class Session {
         }
         one.accumulated = in.accumulated + h * L.capacity;
         one.observed = in.observed + h * L.capacity;
-        sel.kept(0, h) = policy_.select(cfg_.backend, one,
-                                        Budget::total(budgets[static_cast<std::size_t>(h)]))
+        sel.kept(0, h) = pol.select(cfg_.backend, one,
+                                        Budget::total(budgets[static_cast<std::size_t>(h)]),
+                                        EventInfo{layer, cfg_.layers, credit(L, h), L.capacity})
                              .kept(0, 0);
       }
     }
+    if (L.budgets.empty()) {
+      // First (prefill) compression. Where it evicted, the decode targets are what each head
+      // kept (allocators may have moved budget between heads); a head that kept everything
+      // keeps its requested budget as target, so a budget above the prompt length lets the
+      // cache grow to it before evicting.
+      L.prompt_length = len;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const auto c = sel.count(0, h);
+        auto& b = budgets[static_cast<std::size_t>(h)];
+        if (c < L.lengths[static_cast<std::size_t>(h)]) b = c;
+      }
+    }
     L.budgets = std::move(budgets);
+    L.since = 0;
     const KVView<T> kv = KVView<T>::hnd(L.k.data(), 1, cfg_.kv_heads, len, cfg_.head_dim);
     KVView<T> k_mut = kv, v_mut = kv;
     k_mut.stride_head = v_mut.stride_head = L.capacity * cfg_.head_dim;
@@ -189,10 +309,22 @@ class Session {
     cpu::compact_state(cfg_.backend, L.positions.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.acc.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.observed.data(), 0, L.capacity, sel);
+    if (!L.credit.empty()) cpu::compact_state(cfg_.backend, L.credit.data(), 0, L.capacity, sel);
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       L.lengths[static_cast<std::size_t>(h)] = sel.count(0, h);
     return sel;
   }
+
+  // Gives back the storage that compression freed: every layer's capacity becomes its longest
+  // head (at least 1 token). Later appends grow it again by doubling.
+  void shrink_to_fit() {
+    for (auto& L : layers_) {
+      const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
+      if (std::max<std::int64_t>(len, 1) < L.capacity) reserve(L, std::max<std::int64_t>(len, 1));
+    }
+  }
+  // Tokens of storage per head of `layer` (valid rows are lengths(layer)).
+  std::int64_t capacity(std::int64_t layer) const { return at(layer).capacity; }
 
   // One-layer views over the storage; tokens = capacity, valid rows per head = lengths(l)[h].
   KVView<const T> keys(std::int64_t layer) const { return view(at(layer), at(layer).k); }
@@ -213,6 +345,14 @@ class Session {
     return {L.acc.data() + head * L.capacity,
             static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
   }
+  // Allocator state of the kept tokens of (layer, head) (AMS credit); empty for stateless
+  // policies.
+  std::span<const float> alloc_state(std::int64_t layer, std::int64_t head) const {
+    const Layer& L = at(layer);
+    if (L.credit.empty()) return {};
+    return {L.credit.data() + head * L.capacity,
+            static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
+  }
   // Per-head token budgets fixed at the first compression (empty before it).
   std::span<const std::int64_t> budgets(std::int64_t layer) const { return at(layer).budgets; }
   // Bytes of K and V held by valid tokens (what a tight allocator would need).
@@ -225,12 +365,34 @@ class Session {
 
  private:
   struct Layer {
-    std::int64_t capacity = 0, next_position = 0, q_count = 0;
+    std::int64_t capacity = 0, next_position = 0;
+    std::int64_t q_count = 0, q_next = 0;  // query ring: valid entries, next slot to write
+    std::int64_t since = 0;                // tokens appended since the last compression
+    std::int64_t prompt_length = 0;        // longest head at the first compression
+    bool decode_targets_set = false;
     std::vector<T> k, v, q;  // k, v: [Hkv][capacity][d]; q: [Hq][window][d], newest last
     std::vector<std::int32_t> positions;
     std::vector<float> acc, observed;
+    std::vector<float> credit;  // allocator state (AMS credit), when the policy keeps one
     std::vector<std::int64_t> lengths, budgets;
   };
+
+  // Head h's allocator state row (stride: capacity), or null for stateless policies.
+  static float* credit(Layer& L, std::int64_t h) {
+    return L.credit.empty() ? nullptr : L.credit.data() + h * L.capacity;
+  }
+
+  bool tracks_attention() const {
+    return cfg_.record_attention || has(policy_.needs(), Needs::accumulated);
+  }
+  // H2O's per-KV-head accumulation: the sum over its query group, or (mean, and when only
+  // recording) that sum divided by the group size.
+  float acc_scale(const Policy& p) const {
+    const auto* h2o = std::get_if<H2O>(&p.scorer());
+    return h2o && h2o->reduce == GqaReduce::sum
+               ? 1.0f
+               : 1.0f / static_cast<float>(cfg_.q_heads / cfg_.kv_heads);
+  }
 
   Layer& at(std::int64_t l) {
     KVP_REQUIRE(l >= 0 && l < cfg_.layers, "session: layer ", l, " is outside [0, ", cfg_.layers,
@@ -279,25 +441,31 @@ class Session {
     regrow(L.positions, 1);
     regrow(L.acc, 1);
     regrow(L.observed, 1);
+    if (policy_.alloc_state()) {
+      if (L.credit.empty() && L.capacity > 0)
+        L.credit.assign(static_cast<std::size_t>(H * L.capacity), 0.f);
+      regrow(L.credit, 1);
+    }
     L.capacity = cap;
     if (L.q.empty() && window_ > 0)
       L.q.assign(static_cast<std::size_t>(cfg_.q_heads * window_ * d), T{});
   }
 
-  // Keeps the newest `window_` queries per query head, oldest first.
+  // Keeps the newest `window_` queries per query head in a ring buffer (slot q_next is written
+  // next): O(new queries) per append, whatever the window.
   void push_queries(Layer& L, const KVView<const T>& q) {
     const std::int64_t d = cfg_.head_dim, n = std::min(q.tokens, window_);
-    const std::int64_t shift = std::min(window_ - n, L.q_count);  // old queries that stay
-    for (std::int64_t h = 0; h < cfg_.q_heads; ++h) {
-      T* base = L.q.data() + h * window_ * d;
-      std::copy(base + (window_ - shift) * d, base + window_ * d, base + (window_ - shift - n) * d);
-      for (std::int64_t t = 0; t < n; ++t)
-        copy_row(q, h, q.tokens - n + t, base + (window_ - n + t) * d);
+    for (std::int64_t t = 0; t < n; ++t) {
+      const std::int64_t slot = (L.q_next + t) % window_;
+      for (std::int64_t h = 0; h < cfg_.q_heads; ++h)
+        copy_row(q, h, q.tokens - n + t, L.q.data() + (h * window_ + slot) * d);
     }
-    L.q_count = shift + n;
+    L.q_next = (L.q_next + n) % window_;
+    L.q_count = std::min(window_, L.q_count + n);
   }
 
   Policy policy_;
+  Policy fixed_policy_;  // policy_ without layer/head allocators: events after the first
   SessionConfig cfg_;
   std::int64_t window_ = 0;
   std::vector<Layer> layers_;

@@ -502,3 +502,281 @@ TEST_CASE("Session H2O with a budget that does not divide evenly over heads", "[
       }
     }
 }
+
+TEST_CASE("Session fork: one recorded full-cache prefill equals a session built for the policy",
+          "[session]") {
+  // Direct sessions run each policy from the start; the fork comes from a full-cache session
+  // that recorded queries and H2O statistics. Same selection, same K/V, same state.
+  const std::int64_t S = 40;
+  const Sequence<float> seq(S, 99);
+  auto feed = [&](Session<float>& s) {
+    for (std::int64_t t0 = 0; t0 < S; t0 += 16) {  // chunked prefill
+      const std::int64_t n = std::min<std::int64_t>(16, S - t0);
+      for (std::int64_t l = 0; l < kLayers; ++l) {
+        s.append(l, seq.K(l, t0, n), seq.V(l, t0, n), seq.Q(l, t0, n));
+        std::vector<float> out(static_cast<std::size_t>(kHq * n * kD));
+        s.attend(l, seq.Q(l, t0, n), out.data());
+      }
+    }
+  };
+  SessionConfig full_cfg = config(Budget::ratio(1.0));
+  full_cfg.record_queries = 8;
+  full_cfg.record_attention = true;
+  Session<float> full(kvpolicy::Policy("streaming"), full_cfg);
+  feed(full);
+  for (std::int64_t l = 0; l < kLayers; ++l) full.compress_if_due(l);  // keeps everything
+  for (const std::string spec : {"snapkv(window=8)", "snapkv(window=4)", "h2o",
+                                 "h2o(reduce=sum)", "tova", "knorm"}) {
+    INFO(spec);
+    const Budget b = Budget::ratio(0.4);
+    Session<float> direct(kvpolicy::Policy(spec), config(b));
+    feed(direct);
+    Session<float> forked = full.fork(kvpolicy::Policy(spec), b);
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      REQUIRE(direct.compress_if_due(l));
+      REQUIRE(forked.compress_if_due(l));
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        REQUIRE(forked.length(l, h) == direct.length(l, h));
+        const auto pf = forked.positions(l, h), pd = direct.positions(l, h);
+        CHECK(std::vector<std::int32_t>(pf.begin(), pf.end()) ==
+              std::vector<std::int32_t>(pd.begin(), pd.end()));
+        const auto af = forked.accumulated(l, h), ad = direct.accumulated(l, h);
+        if (kvpolicy::has(direct.policy().needs(), kvpolicy::Needs::accumulated))
+          for (std::size_t j = 0; j < ad.size(); ++j) CHECK(af[j] == Approx(ad[j]).epsilon(1e-5));
+        for (std::int64_t t = 0; t < direct.length(l, h); ++t)
+          for (std::int64_t i = 0; i < kD; ++i)
+            REQUIRE(forked.keys(l).at(0, h, t, i) == direct.keys(l).at(0, h, t, i));
+      }
+    }
+  }
+  // The source is unchanged by forking and can be forked again.
+  CHECK(full.length(0, 0) == S);
+  // shrink_to_fit gives the freed rows back without changing the cache.
+  Session<float> small = full.fork(kvpolicy::Policy("knorm"), Budget::tokens(5));
+  for (std::int64_t l = 0; l < kLayers; ++l) small.compress_if_due(l);
+  const auto before = std::vector<std::int32_t>(small.positions(1, 1).begin(),
+                                                small.positions(1, 1).end());
+  const float k0 = small.keys(1).at(0, 1, 4, 3);
+  small.shrink_to_fit();
+  CHECK(small.capacity(1) == 5);
+  CHECK(std::vector<std::int32_t>(small.positions(1, 1).begin(), small.positions(1, 1).end()) ==
+        before);
+  CHECK(small.keys(1).at(0, 1, 4, 3) == k0);
+}
+
+TEST_CASE("Session fork rejects what the source did not record", "[session]") {
+  const Sequence<float> seq(12, 5);
+  Session<float> plain(kvpolicy::Policy("streaming"), config(Budget::ratio(1.0)));
+  for (std::int64_t l = 0; l < kLayers; ++l) plain.append(l, seq.K(l, 0, 12), seq.V(l, 0, 12), seq.Q(l, 0, 12));
+  CHECK_THROWS_WITH(plain.fork(kvpolicy::Policy("snapkv(window=4)"), Budget::ratio(0.5)),
+                    Contains("record_queries"));
+  CHECK_THROWS_WITH(plain.fork(kvpolicy::Policy("h2o"), Budget::ratio(0.5)),
+                    Contains("record_attention"));
+  CHECK_THROWS_WITH(plain.fork(kvpolicy::Policy("knorm"), Budget::ratio(1.5)), Contains("ratio"));
+  Session<float> compressed(kvpolicy::Policy("knorm"), config(Budget::ratio(0.5)));
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    compressed.append(l, seq.K(l, 0, 12), seq.V(l, 0, 12));
+    compressed.compress_if_due(l);
+  }
+  CHECK_THROWS_WITH(compressed.fork(kvpolicy::Policy("knorm"), Budget::ratio(0.5)),
+                    Contains("kept everything"));
+}
+
+TEST_CASE("Session decode-time interval mode: compress every `interval` tokens to the target",
+          "[session]") {
+  const std::int64_t S = 60, prompt = 24;
+  const Sequence<float> seq(S, 17);
+  SessionConfig cfg = config(Budget::ratio(0.5));
+  cfg.decode_interval = 4;
+  cfg.decode_target = Budget::tokens(10);
+  Session<float> s(kvpolicy::Policy("snapkv(window=3)"), cfg);
+  REQUIRE(s.decode_interval() == 4);
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, prompt), seq.V(l, 0, prompt), seq.Q(l, 0, prompt));
+    REQUIRE(s.compress_if_due(l));  // prefill: 12 of 24
+  }
+  CHECK(s.length(0, 0) == 12);
+  // Decode: one token at a time; compressions happen exactly every 4 tokens, to 10 per head.
+  std::vector<std::int64_t> lengths_seen;
+  for (std::int64_t t = prompt; t < S; ++t)
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+      const bool did = s.compress_if_due(l);
+      const std::int64_t step = t - prompt + 1;
+      INFO("step " << step << " layer " << l);
+      CHECK(did == (step % 4 == 0));
+      if (l == 0) lengths_seen.push_back(s.length(0, 1));
+      for (std::int64_t h = 0; h < kHkv; ++h) {
+        CHECK(s.length(l, h) <= 12 + 3);  // the prefill kept 12; at most 3 appended since
+        if (did) CHECK(s.length(l, h) == 10);
+        // The window of the newest 3 queries is always kept (snapkv protects its window).
+        const auto pos = s.positions(l, h);
+        CHECK(pos.back() == t);
+      }
+    }
+  CHECK(lengths_seen[0] == 13);
+  CHECK(lengths_seen[3] == 10);
+  // Queries come from the ring buffer in chronological order: a session that only saw the last
+  // tokens compresses the same way as the one that wrapped its ring many times.
+  SessionConfig one = config(Budget::tokens(5));
+  Session<float> a(kvpolicy::Policy("snapkv(window=3)"), one), b(kvpolicy::Policy("snapkv(window=3)"), one);
+  for (std::int64_t t = 0; t < 20; ++t) a.append(0, seq.K(0, t, 1), seq.V(0, t, 1), seq.Q(0, t, 1));
+  b.append(0, seq.K(0, 0, 20), seq.V(0, 0, 20), seq.Q(0, 0, 20));
+  a.compress(0);
+  b.compress(0);
+  for (std::int64_t h = 0; h < kHkv; ++h) {
+    const auto pa = a.positions(0, h), pb = b.positions(0, h);
+    CHECK(std::vector<std::int32_t>(pa.begin(), pa.end()) ==
+          std::vector<std::int32_t>(pb.begin(), pb.end()));
+  }
+  SessionConfig bad = config(Budget::ratio(0.5));
+  bad.decode_interval = -1;
+  CHECK_THROWS_WITH(Session<float>(kvpolicy::Policy("knorm"), bad), Contains("decode_interval"));
+}
+
+TEST_CASE("Session: a budget above the prompt lets H2O grow to it before evicting", "[session]") {
+  const Sequence<float> seq(30, 3);
+  Session<float> s(kvpolicy::Policy("h2o"), config(Budget::tokens(20)));
+  std::vector<float> out(static_cast<std::size_t>(kHq * 12 * kD));
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, 12), seq.V(l, 0, 12), seq.Q(l, 0, 12));
+    s.attend(l, seq.Q(l, 0, 12), out.data());
+    s.compress_if_due(l);
+  }
+  for (std::int64_t t = 12; t < 30; ++t)
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+      s.attend(l, seq.Q(l, t, 1), out.data());
+      s.compress_if_due(l);
+      CHECK(s.length(l, 0) == std::min<std::int64_t>(t + 1, 20));
+    }
+}
+
+TEST_CASE("Session carries AMS credit across compression events, compacted with its tokens",
+          "[session]") {
+  // The Session against a hand-run of the same policy: one event over both heads of layer 0,
+  // with a credit array the test zeroes for new tokens and compacts by the selection itself.
+  const std::string spec =
+      "snapkv(window=4) | ams(window=4,kernel=3,min_seg_len=2,max_seg_len=8,min_keep=1,sinks=1,"
+      "keep_last=2,segment_mass=0.1)";
+  const kvpolicy::Policy policy(spec);
+  REQUIRE(policy.alloc_state());
+  const std::int64_t S = 40, prompt = 24, keep = 12;
+  const Sequence<float> seq(S, 23);
+  SessionConfig cfg = config(Budget::tokens(keep));
+  cfg.decode_interval = 4;
+  Session<float> s(policy, cfg);
+
+  // Reference state for layer 0: per head, original positions and credit of the kept tokens.
+  std::vector<std::vector<std::int32_t>> pos(kHkv);
+  std::vector<std::vector<float>> credit(kHkv);
+  auto reference_event = [&](std::int64_t t_end) {
+    const auto T = static_cast<std::int64_t>(pos[0].size());
+    std::vector<float> k(static_cast<std::size_t>(kHkv * T * kD)), st(static_cast<std::size_t>(kHkv * T));
+    for (std::int64_t h = 0; h < kHkv; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        for (std::int64_t i = 0; i < kD; ++i)
+          k[static_cast<std::size_t>((h * T + t) * kD + i)] = seq.K(0, pos[h][t], 1).at(0, h, 0, i);
+        st[static_cast<std::size_t>(h * T + t)] = credit[h][t];
+      }
+    std::vector<float> q(static_cast<std::size_t>(kHq * 4 * kD));
+    for (std::int64_t h = 0; h < kHq; ++h)
+      for (std::int64_t t = 0; t < 4; ++t)
+        for (std::int64_t i = 0; i < kD; ++i)
+          q[static_cast<std::size_t>((h * 4 + t) * kD + i)] = seq.Q(0, t_end - 4 + t, 1).at(0, h, 0, i);
+    kvpolicy::Inputs<float> in;
+    in.keys = KVView<const float>::hnd(k.data(), 1, kHkv, T, kD);
+    in.queries = KVView<const float>::hnd(q.data(), 1, kHq, 4, kD);
+    const auto sel = policy.select(kvpolicy::cpu_backend{1}, in, Budget::total(kHkv * keep),
+                                   kvpolicy::EventInfo{0, kLayers, st.data(), T});
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      std::vector<std::int32_t> p2;
+      std::vector<float> c2;
+      for (auto j : sel.kept(0, h)) {
+        p2.push_back(pos[h][j]);
+        c2.push_back(st[static_cast<std::size_t>(h * T + j)]);
+      }
+      pos[h] = p2;
+      credit[h] = c2;
+    }
+  };
+  auto add_tokens = [&](std::int64_t t0, std::int64_t n) {
+    for (std::int64_t h = 0; h < kHkv; ++h)
+      for (std::int64_t t = t0; t < t0 + n; ++t) {
+        pos[h].push_back(static_cast<std::int32_t>(t));
+        credit[h].push_back(0.f);
+      }
+  };
+
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, prompt), seq.V(l, 0, prompt), seq.Q(l, 0, prompt));
+    s.compress_if_due(l);
+  }
+  add_tokens(0, prompt);
+  reference_event(prompt);
+  int events = 1;
+  for (std::int64_t t = prompt; t < S; ++t) {
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+      s.compress_if_due(l);
+    }
+    add_tokens(t, 1);
+    if ((t - prompt + 1) % 4 == 0) {
+      reference_event(t + 1);
+      ++events;
+    }
+  }
+  REQUIRE(events == 5);
+  bool some_credit = false;
+  for (std::int64_t h = 0; h < kHkv; ++h) {
+    INFO("head " << h);
+    const auto p = s.positions(0, h);
+    CHECK(std::vector<std::int32_t>(p.begin(), p.end()) == pos[h]);
+    const auto c = s.alloc_state(0, h);
+    REQUIRE(c.size() == credit[h].size());
+    for (std::size_t j = 0; j < c.size(); ++j) {
+      CHECK(c[j] == Approx(credit[h][j]).margin(1e-7));
+      some_credit = some_credit || c[j] > 0;
+    }
+  }
+  CHECK(some_credit);  // the state is really carried (a stateless run would leave zeros)
+  // Stateless policies keep none.
+  Session<float> plain(kvpolicy::Policy("snapkv(window=4)"), config(Budget::tokens(keep)));
+  plain.append(0, seq.K(0, 0, prompt), seq.V(0, 0, prompt), seq.Q(0, 0, prompt));
+  CHECK(plain.alloc_state(0, 0).empty());
+}
+
+TEST_CASE("Session: decode-time compressions keep the per-head budgets the allocators chose",
+          "[session]") {
+  // depthkv splits the budget unevenly over the two layers and adakv over the heads at the
+  // first event; later events must return every head to exactly what it kept then, without
+  // re-running those allocators on budgets that are no longer uniform.
+  const std::int64_t S = 48, prompt = 32;
+  const Sequence<float> seq(S, 41);
+  SessionConfig cfg = config(Budget::ratio(0.5));
+  cfg.decode_interval = 4;
+  Session<float> s(kvpolicy::Policy("snapkv(window=4) | depthkv(weights=1:3) | adakv"), cfg);
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    s.append(l, seq.K(l, 0, prompt), seq.V(l, 0, prompt), seq.Q(l, 0, prompt));
+    REQUIRE(s.compress_if_due(l));
+  }
+  std::vector<std::vector<std::int64_t>> kept(kLayers);
+  std::int64_t total = 0;
+  for (std::int64_t l = 0; l < kLayers; ++l)
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      kept[l].push_back(s.length(l, h));
+      total += s.length(l, h);
+    }
+  CHECK(total == kLayers * kHkv * prompt / 2);  // the model's budget, conserved
+  CHECK(kept[1][0] + kept[1][1] > kept[0][0] + kept[0][1]);  // depthkv favours layer 1
+  int compressions = 0;
+  for (std::int64_t t = prompt; t < S; ++t)
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+      if (s.compress_if_due(l)) {
+        ++compressions;
+        for (std::int64_t h = 0; h < kHkv; ++h) CHECK(s.length(l, h) == kept[l][h]);
+      }
+    }
+  CHECK(compressions == kLayers * (S - prompt) / 4);
+}
