@@ -5,7 +5,9 @@
 //   out[q, i, :] = sum_j softmax_j(q_i . k_j / sqrt(d) + bias[h, j]) v_j     (fp32)
 #pragma once
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/cpu/parallel.hpp"
@@ -45,39 +47,71 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
                 args.lengths[h], " of KV head ", h, " is outside [0, ", keys.tokens, "]");
   const std::int64_t g = Hq / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  parallel_for(be, Hkv, [&](std::int64_t h) {
-    const std::int64_t len = args.lengths[h];
-    RowMatrix kb, vb, qb, logits;
+  // Keys visible to query i: all len of them, or (causal) len - nq + i + 1.
+  auto visible = [&](std::int64_t len, std::int64_t i) {
+    return args.causal ? std::clamp<std::int64_t>(len - nq + i + 1, 0, len) : len;
+  };
+  std::int64_t max_len = 0;
+  for (std::int64_t h = 0; h < Hkv; ++h) max_len = std::max(max_len, args.lengths[h]);
+  // One item per query head (Hq items keep both cores busy even with 3 KV heads). Each item
+  // writes its own output rows and, for H2O, its own column sums of the probabilities; the
+  // group's sums are added afterwards in query-head order, so results do not depend on the
+  // thread count.
+  std::vector<float> col_sums(args.accumulate ? static_cast<std::size_t>(Hq * max_len) : 0);
+  parallel_for(be, Hq, [&](std::int64_t qh) {
+    const std::int64_t h = qh / g, len = args.lengths[h];
+    Eigen::Map<RowMatrix> o(out + qh * nq * d, nq, d);
+    if (len == 0) {
+      o.setZero();
+      return;
+    }
+    RowMatrix kb, vb, qb, probs;
     RowMap K = rows_f32(keys, 0, h, 0, len, kb);
     RowMap V = rows_f32(values, 0, h, 0, len, vb);
-    for (std::int64_t qh = h * g; qh < (h + 1) * g; ++qh) {
-      load_rows(queries, 0, qh, 0, nq, qb);
-      logits.noalias() = (qb * scale) * K.transpose();  // n_q x len
-      Eigen::Map<RowMatrix> o(out + qh * nq * d, nq, d);
-      for (std::int64_t i = 0; i < nq; ++i) {
-        const std::int64_t n = args.causal ? std::max<std::int64_t>(0, len - nq + i + 1) : len;
-        if (n == 0) {
-          o.row(i).setZero();
-          continue;
-        }
-        auto row = logits.row(i).head(n).array();
-        if (args.bias)
-          row += Eigen::Map<const Eigen::ArrayXf>(args.bias + h * args.bias_stride, n).transpose();
-        const float mx = row.maxCoeff();
-        row = (row - mx).exp();
-        row /= row.sum();
-        o.row(i).noalias() = logits.row(i).head(n) * V.topRows(n);
-        if (args.accumulate) {
-          float* acc = args.accumulate + h * args.state_stride;
-          for (std::int64_t j = 0; j < n; ++j) acc[j] += args.acc_scale * logits(i, j);
-        }
-        if (args.observed && qh == h * g) {
-          float* obs = args.observed + h * args.state_stride;
-          for (std::int64_t j = 0; j < n; ++j) obs[j] += 1.0f;
-        }
+    load_rows(queries, 0, qh, 0, nq, qb);
+    probs.noalias() = (qb * scale) * K.transpose();  // n_q x len logits
+    for (std::int64_t i = 0; i < nq; ++i) {
+      const std::int64_t n = visible(len, i);
+      auto row = probs.row(i).array();
+      if (n == 0) {
+        row.setZero();
+        continue;
       }
+      auto vis = row.head(n);
+      if (args.bias)
+        vis += Eigen::Map<const Eigen::ArrayXf>(args.bias + h * args.bias_stride, n).transpose();
+      const float mx = vis.maxCoeff();
+      vis = (vis - mx).exp();
+      vis /= vis.sum();
+      row.tail(len - n).setZero();
+    }
+    o.noalias() = probs * V;  // one GEMM; masked entries are exact zeros
+    if (args.accumulate) {
+      float* cs = col_sums.data() + qh * max_len;
+      Eigen::Map<Eigen::RowVectorXf>(cs, len).noalias() = probs.colwise().sum();
     }
   });
+  if (!args.accumulate && !args.observed) return;
+  for (std::int64_t h = 0; h < Hkv; ++h) {
+    const std::int64_t len = args.lengths[h];
+    if (args.accumulate) {
+      float* acc = args.accumulate + h * args.state_stride;
+      for (std::int64_t j = 0; j < len; ++j) {
+        float s = 0.f;
+        for (std::int64_t qh = h * g; qh < (h + 1) * g; ++qh)
+          s += col_sums[static_cast<std::size_t>(qh * max_len + j)];
+        acc[j] += args.acc_scale * s;
+      }
+    }
+    if (args.observed) {
+      // Key j is seen by every query i with visible(len, i) > j.
+      float* obs = args.observed + h * args.state_stride;
+      for (std::int64_t i = 0; i < nq; ++i) {
+        const std::int64_t n = visible(len, i);
+        for (std::int64_t j = 0; j < n; ++j) obs[j] += 1.0f;
+      }
+    }
+  }
 }
 
 }  // namespace kvpolicy::cpu
