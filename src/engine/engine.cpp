@@ -80,7 +80,35 @@ SessionConfig Engine::session_config(const Model& m, const EngineConfig& c) {
   s.head_dim = m.config().head_dim;
   s.budget = c.budget;
   s.backend = cpu_backend{c.threads};
+  s.record_queries = c.record_queries;
+  s.record_attention = c.record_attention;
+  s.decode_interval = c.decode_interval;
+  s.decode_target = c.decode_target;
   return s;
+}
+
+Engine::Engine(const Engine& src, EngineConfig cfg, Session<float> session)
+    : model_(src.model_),
+      cfg_(std::move(cfg)),
+      session_(std::move(session)),
+      position_(src.position_),
+      last_logits_(src.last_logits_),
+      inv_freq_(src.inv_freq_),
+      capture_(src.capture_) {}
+
+Engine Engine::fork(const std::string& policy, Budget budget, std::int64_t decode_interval,
+                    std::optional<Budget> decode_target) const {
+  EngineConfig cfg = cfg_;
+  cfg.policy = policy;
+  cfg.budget = budget;
+  cfg.decode_interval = decode_interval;
+  cfg.decode_target = decode_target;
+  return Engine(*this, cfg,
+                session_.fork(Policy(policy), budget, decode_interval, decode_target));
+}
+
+void Engine::compress_now() {
+  for (std::int64_t l = 0; l < model_.config().n_layers; ++l) session_.compress_if_due(l);
 }
 
 Engine::Engine(const Model& model, EngineConfig cfg)
@@ -110,77 +138,141 @@ void Engine::reset() {
 }
 
 void Engine::forward(std::span<const std::int32_t> tokens, bool evict_after_each_layer) {
-  const ModelConfig& c = model_.config();
-  const ModelWeights& w = model_.weights();
-  const int threads = thread_count(cfg_.threads);
-  const auto n = static_cast<std::int64_t>(tokens.size());
-  const std::int64_t d = c.head_dim, Hq = c.n_head, Hkv = c.n_head_kv, p0 = position_;
-  for (std::int32_t t : tokens)
-    KVP_REQUIRE(t >= 0 && t < c.n_vocab, "engine: token id ", t, " is outside the vocabulary [0, ",
-                c.n_vocab, ")");
+  Engine* self = this;
+  forward_multi(std::span<Engine* const>(&self, 1),
+                std::span<const std::span<const std::int32_t>>(&tokens, 1), evict_after_each_layer);
+}
 
-  x_.resize(n, c.n_embd);
-  for (std::int64_t i = 0; i < n; ++i)
-    x_.row(i) = w.token_embd.row(tokens[static_cast<std::size_t>(i)]);
+void Engine::forward_multi(std::span<Engine* const> es,
+                           std::span<const std::span<const std::int32_t>> toks,
+                           bool evict_after_each_layer) {
+  KVP_REQUIRE(!es.empty() && es.size() == toks.size(), "engine: ", es.size(), " engines for ",
+              toks.size(), " token spans");
+  Engine& e0 = *es[0];
+  const Model& model = e0.model_;
+  const ModelConfig& c = model.config();
+  const ModelWeights& w = model.weights();
+  const int threads = thread_count(e0.cfg_.threads);
+  const std::int64_t d = c.head_dim, Hq = c.n_head, Hkv = c.n_head_kv, half = d / 2;
+  // Rows of the stacked activations: sequence s owns rows [row0[s], row0[s] + n[s]).
+  std::vector<std::int64_t> row0(es.size() + 1, 0);
+  for (std::size_t s = 0; s < es.size(); ++s) {
+    KVP_REQUIRE(&es[s]->model_ == &model, "engine: a batch must share one model");
+    for (std::int32_t t : toks[s])
+      KVP_REQUIRE(t >= 0 && t < c.n_vocab, "engine: token id ", t,
+                  " is outside the vocabulary [0, ", c.n_vocab, ")");
+    row0[s + 1] = row0[s] + static_cast<std::int64_t>(toks[s].size());
+  }
+  const std::int64_t rows = row0.back();
+  Matrix& x = e0.x_;
+  Matrix& xn = e0.xn_;
+  x.resize(rows, c.n_embd);
+  for (std::size_t s = 0; s < es.size(); ++s)
+    for (std::size_t i = 0; i < toks[s].size(); ++i)
+      x.row(row0[s] + static_cast<std::int64_t>(i)) = w.token_embd.row(toks[s][i]);
 
-  // cos/sin of every (position, frequency) of this chunk, fp32 angles like Hugging Face.
-  const std::int64_t half = d / 2;
-  std::vector<float> cs(static_cast<std::size_t>(n * half)), sn(cs.size());
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = 0; j < half; ++j) {
-      const float angle = static_cast<float>(p0 + i) * inv_freq_[static_cast<std::size_t>(j)];
-      cs[static_cast<std::size_t>(i * half + j)] = std::cos(angle);
-      sn[static_cast<std::size_t>(i * half + j)] = std::sin(angle);
-    }
+  // cos/sin of every (row, frequency), fp32 angles like Hugging Face, at each sequence's own
+  // positions.
+  std::vector<float> cs(static_cast<std::size_t>(rows * half)), sn(cs.size());
+  for (std::size_t s = 0; s < es.size(); ++s)
+    for (std::int64_t i = 0; i < row0[s + 1] - row0[s]; ++i)
+      for (std::int64_t j = 0; j < half; ++j) {
+        const float angle = static_cast<float>(es[s]->position_ + i) *
+                            e0.inv_freq_[static_cast<std::size_t>(j)];
+        const auto at = static_cast<std::size_t>((row0[s] + i) * half + j);
+        cs[at] = std::cos(angle);
+        sn[at] = std::sin(angle);
+      }
   // Half-split rotation: (x_j, x_{j+d/2}) -> (x_j cos - x_{j+d/2} sin, x_{j+d/2} cos + x_j sin).
   auto rope = [&](Matrix& m, std::int64_t heads) {
-    for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t i = 0; i < rows; ++i)
       for (std::int64_t h = 0; h < heads; ++h) {
-        float* x = m.data() + i * heads * d + h * d;
+        float* v = m.data() + i * heads * d + h * d;
         const float* ci = cs.data() + i * half;
         const float* si = sn.data() + i * half;
         for (std::int64_t j = 0; j < half; ++j) {
-          const float a = x[j], b = x[j + half];
-          x[j] = a * ci[j] - b * si[j];
-          x[j + half] = b * ci[j] + a * si[j];
+          const float a = v[j], b = v[j + half];
+          v[j] = a * ci[j] - b * si[j];
+          v[j + half] = b * ci[j] + a * si[j];
         }
       }
   };
 
-  attn_hnd_.resize(static_cast<std::size_t>(Hq * n * d));
   for (std::int64_t l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[static_cast<std::size_t>(l)];
-    rms_norm(x_, L.attn_norm, c.rms_eps, xn_);
-    linear(xn_, L.wq, q_, threads);
-    linear(xn_, L.wk, k_, threads);
-    linear(xn_, L.wv, v_, threads);
-    rope(q_, Hq);
-    rope(k_, Hkv);
-    // Projections are token-major: [n][H*d] is the NHD layout of a [1][H][n][d] view.
-    const auto qv = KVView<const float>::nhd(q_.data(), 1, Hq, n, d);
-    const auto kv = KVView<const float>::nhd(k_.data(), 1, Hkv, n, d);
-    const auto vv = KVView<const float>::nhd(v_.data(), 1, Hkv, n, d);
-    if (capture_) capture_(LayerCapture{l, p0, qv, kv, vv});
-    session_.append(l, kv, vv, qv);
-    session_.attend(l, qv, attn_hnd_.data());
-    if (evict_after_each_layer) session_.compress_if_due(l);
-    // [Hq][n][d] -> [n][Hq*d]
-    attn_.resize(n, Hq * d);
-    for (std::int64_t h = 0; h < Hq; ++h)
-      for (std::int64_t i = 0; i < n; ++i)
-        std::copy_n(attn_hnd_.data() + (h * n + i) * d, d, attn_.data() + i * Hq * d + h * d);
-    linear(attn_, L.wo, xn_, threads);
-    x_ += xn_;
+    rms_norm(x, L.attn_norm, c.rms_eps, xn);
+    linear(xn, L.wq, e0.q_, threads);
+    linear(xn, L.wk, e0.k_, threads);
+    linear(xn, L.wv, e0.v_, threads);
+    rope(e0.q_, Hq);
+    rope(e0.k_, Hkv);
+    e0.attn_.resize(rows, Hq * d);
+    for (std::size_t s = 0; s < es.size(); ++s) {
+      Engine& e = *es[s];
+      const std::int64_t r0 = row0[s], n = row0[s + 1] - r0;
+      if (n == 0) continue;
+      // Projections are token-major: rows [r0, r0+n) of [rows][H*d] are the NHD layout of a
+      // [1][H][n][d] view.
+      const auto qv = KVView<const float>::nhd(e0.q_.data() + r0 * Hq * d, 1, Hq, n, d);
+      const auto kv = KVView<const float>::nhd(e0.k_.data() + r0 * Hkv * d, 1, Hkv, n, d);
+      const auto vv = KVView<const float>::nhd(e0.v_.data() + r0 * Hkv * d, 1, Hkv, n, d);
+      if (e.capture_) e.capture_(LayerCapture{l, e.position_, qv, kv, vv});
+      e.session_.append(l, kv, vv, qv);
+      e.attn_hnd_.resize(static_cast<std::size_t>(Hq * n * d));
+      e.session_.attend(l, qv, e.attn_hnd_.data());
+      if (evict_after_each_layer) e.session_.compress_if_due(l);
+      // [Hq][n][d] -> rows [r0, r0+n) of [rows][Hq*d]
+      for (std::int64_t h = 0; h < Hq; ++h)
+        for (std::int64_t i = 0; i < n; ++i)
+          std::copy_n(e.attn_hnd_.data() + (h * n + i) * d, d,
+                      e0.attn_.data() + (r0 + i) * Hq * d + h * d);
+    }
+    linear(e0.attn_, L.wo, xn, threads);
+    x += xn;
 
-    rms_norm(x_, L.ffn_norm, c.rms_eps, xn_);
-    linear(xn_, L.w_gate, gate_, threads);
-    linear(xn_, L.w_up, up_, threads);
-    gate_ = (gate_.array() / (1.0f + (-gate_.array()).exp())).cwiseProduct(up_.array()).matrix();
-    linear(gate_, L.w_down, xn_, threads);
-    x_ += xn_;
+    rms_norm(x, L.ffn_norm, c.rms_eps, xn);
+    linear(xn, L.w_gate, e0.gate_, threads);
+    linear(xn, L.w_up, e0.up_, threads);
+    e0.gate_ = (e0.gate_.array() / (1.0f + (-e0.gate_.array()).exp()))
+                   .cwiseProduct(e0.up_.array())
+                   .matrix();
+    linear(e0.gate_, L.w_down, xn, threads);
+    x += xn;
   }
-  rms_norm(x_, w.output_norm, c.rms_eps, hidden_);
-  position_ += n;
+  rms_norm(x, w.output_norm, c.rms_eps, xn);
+  for (std::size_t s = 0; s < es.size(); ++s) {
+    const std::int64_t n = row0[s + 1] - row0[s];
+    es[s]->hidden_ = xn.middleRows(row0[s], n);
+    es[s]->position_ += n;
+  }
+}
+
+void Engine::step_batch(std::span<Engine* const> engines, std::span<const std::int32_t> tokens) {
+  KVP_REQUIRE(engines.size() == tokens.size(), "engine.step_batch: ", engines.size(),
+              " engines but ", tokens.size(), " tokens");
+  if (engines.empty()) return;
+  std::vector<std::span<const std::int32_t>> toks;
+  for (std::size_t s = 0; s < engines.size(); ++s) {
+    KVP_REQUIRE(engines[s] != nullptr, "engine.step_batch: engine ", s, " is null");
+    KVP_REQUIRE(engines[s]->position_ > 0, "engine.step_batch: engine ", s,
+                " has no prompt; prefill first");
+    for (std::size_t t = 0; t < s; ++t)
+      KVP_REQUIRE(engines[t] != engines[s], "engine.step_batch: engine ", s,
+                  " appears twice in the batch");
+    toks.emplace_back(&tokens[s], 1);
+  }
+  forward_multi(engines, toks, true);
+  // One vocabulary GEMM for the whole batch.
+  Matrix hidden(static_cast<Eigen::Index>(engines.size()), engines[0]->model_.config().n_embd);
+  for (std::size_t s = 0; s < engines.size(); ++s)
+    hidden.row(static_cast<Eigen::Index>(s)) = engines[s]->hidden_.row(0);
+  Matrix logits;
+  linear(hidden, engines[0]->model_.weights().lm_head(), logits,
+         thread_count(engines[0]->cfg_.threads));
+  for (std::size_t s = 0; s < engines.size(); ++s) {
+    const float* r = logits.row(static_cast<Eigen::Index>(s)).data();
+    engines[s]->last_logits_.assign(r, r + logits.cols());
+  }
 }
 
 void Engine::logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const {
@@ -190,8 +282,12 @@ void Engine::logits_rows(std::int64_t first, std::int64_t count, Matrix& out) co
 
 Matrix Engine::prefill(std::span<const std::int32_t> tokens, bool all_logits) {
   KVP_REQUIRE(position_ == 0, "engine.prefill: the sequence already holds ", position_,
-              " tokens; call reset() first, or continue with step()/teacher_force()");
-  KVP_REQUIRE(!tokens.empty(), "engine.prefill: the prompt is empty");
+              " tokens; call reset() first, or continue with extend()/step()/teacher_force()");
+  return extend(tokens, all_logits);
+}
+
+Matrix Engine::extend(std::span<const std::int32_t> tokens, bool all_logits) {
+  KVP_REQUIRE(!tokens.empty(), "engine: the prompt is empty");
   const auto n = static_cast<std::int64_t>(tokens.size());
   Matrix out(all_logits ? n : 1, model_.config().n_vocab), chunk_logits;
   for (std::int64_t s = 0; s < n; s += cfg_.prefill_chunk) {
@@ -207,7 +303,7 @@ Matrix Engine::prefill(std::span<const std::int32_t> tokens, bool all_logits) {
   }
   // Compression only after the whole prompt went through, so every prompt token attended the
   // full prompt (as in a one-shot prefill) and the policy sees all of it.
-  for (std::int64_t l = 0; l < model_.config().n_layers; ++l) session_.compress_if_due(l);
+  compress_now();
   last_logits_.assign(out.row(out.rows() - 1).data(), out.row(out.rows() - 1).data() + out.cols());
   return out;
 }
@@ -260,7 +356,7 @@ TeacherForced Engine::teacher_force(std::span<const std::int32_t> cont, bool kee
     r.argmax.push_back(argmax(row));
     if (keep_logits) std::copy(row.begin(), row.end(), r.logits.row(i).data());
   };
-  if (session_.policy().decode_time()) {
+  if (session_.decode_interval() > 0) {
     for (std::int64_t i = 0; i < n; ++i) {
       score(i, last_logits_.data());
       step(cont[static_cast<std::size_t>(i)]);

@@ -7,6 +7,7 @@
 // GEMV for single tokens. Greedy decoding and teacher forcing for the accuracy benchmark.
 #pragma once
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -21,6 +22,14 @@ struct EngineConfig {
   Budget budget = Budget::ratio(1.0);  // ratio(1.0): keep everything (exact model)
   int threads = 0;                     // 0: the OpenMP default
   std::int64_t prefill_chunk = 512;    // prompt tokens per forward chunk (bounds memory)
+  // What the session records for fork() (see SessionConfig): the newest queries per head, and
+  // H2O attention statistics.
+  std::int64_t record_queries = 0;
+  bool record_attention = false;
+  // Decode-time compression (SessionConfig::decode_interval / decode_target): 0 and unset use
+  // the policy's defaults (H2O evicts back to its prefill budget at every step).
+  std::int64_t decode_interval = 0;
+  std::optional<Budget> decode_target;
 };
 
 // What one layer computed for the tokens of the current forward chunk: post-RoPE queries
@@ -47,21 +56,38 @@ class Engine {
   // compression event). Returns logits [n][vocab] for every prompt position, or [1][vocab] for
   // the last one. Only on an empty sequence (see reset()).
   Matrix prefill(std::span<const std::int32_t> tokens, bool all_logits = false);
+  // prefill() at any position: more prompt tokens in causal chunks on top of the current cache,
+  // then the compressions that are due. Lets a shared prefix be computed once and forked.
+  Matrix extend(std::span<const std::int32_t> tokens, bool all_logits = false);
   // Appends one token and returns the logits that predict the next one; decode-time policies
   // evict back to their budget here.
   std::span<const float> step(std::int32_t token);
+  // One step for several sequences at once: engines[i] appends tokens[i]. The projections run
+  // as one GEMM over the stacked rows (weights are read once for the whole batch); attention
+  // and compression stay per sequence, each over its own session and length. All engines must
+  // share one Model and be distinct; afterwards each one's last_logits() predicts its next token.
+  static void step_batch(std::span<Engine* const> engines, std::span<const std::int32_t> tokens);
   // Greedy continuation of the current state (the last logits): up to max_new tokens, stopping
   // after any id in `stop` (default: the model's EOS). The stop token is included and fed.
   std::vector<std::int32_t> generate(std::int64_t max_new, std::vector<std::int32_t> stop = {-2});
-  // Scores `cont` as the continuation of the current state, feeding it through the cache (in one
-  // causal block for prefill-time policies, token by token for decode-time ones, which gives the
-  // same numbers as step() would).
+  // Scores `cont` as the continuation of the current state, feeding it through the cache (in
+  // causal blocks when nothing compresses while decoding, token by token when the session
+  // compresses at decode time, which gives the same numbers as step() would).
   TeacherForced teacher_force(std::span<const std::int32_t> cont, bool keep_logits = false);
 
   // Logits after the last processed token (empty before any).
   std::span<const float> last_logits() const { return last_logits_; }
   std::int64_t position() const { return position_; }  // tokens processed so far
   void reset();                                        // empty cache, position 0
+
+  // A copy of this engine after a full-cache prefill (same position and last logits) whose
+  // session will compress with `policy` to `budget`: the next compress_now() or step() applies
+  // it. The full-cache prefill must have been run with record_queries >= the policy's window
+  // (and record_attention for H2O); see Session::fork.
+  Engine fork(const std::string& policy, Budget budget, std::int64_t decode_interval = 0,
+              std::optional<Budget> decode_target = std::nullopt) const;
+  // Compresses every layer that is due (what prefill() does at its end).
+  void compress_now();
 
   const Model& model() const { return model_; }
   const Session<float>& session() const { return session_; }
@@ -72,8 +98,13 @@ class Engine {
  private:
   // Runs tokens [p0, p0+n) through all layers; fills hidden_ with the final-normed states.
   void forward(std::span<const std::int32_t> tokens, bool evict_after_each_layer);
+  // forward() over several sequences, their rows stacked; scratch of es[0] is used.
+  static void forward_multi(std::span<Engine* const> es,
+                            std::span<const std::span<const std::int32_t>> toks,
+                            bool evict_after_each_layer);
   void logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const;
   static SessionConfig session_config(const Model& m, const EngineConfig& c);
+  Engine(const Engine& src, EngineConfig cfg, Session<float> session);
 
   const Model& model_;
   EngineConfig cfg_;
