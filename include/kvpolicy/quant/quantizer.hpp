@@ -1,0 +1,291 @@
+// KV quantizers: `int2` / `int4` (OScaR-style: Hadamard rotation + omni-token norm scaling of K,
+// then asymmetric min-max codes) and `kivi` (the same codes without rotation or norm scaling).
+// Source: shared/algorithms.md (OScaR, Su et al. 2026; KIVI, Liu et al. 2024).
+//
+// Stored form of one KV head (everything fp32 before packing):
+//   K~_t = H k_t / n_t  with n_t = ||k_t||_2   (H: orthonormal Walsh-Hadamard, hadamard.hpp)
+//   V~_t = H v_t
+// so q.k_t = (H q).K~_t * n_t exactly, and sum_t p_t v_t = H (sum_t p_t V~_t) (H is its own
+// inverse). rotate=false drops H, token_norm=false sets n_t = 1.
+// [ours] n_t is the norm of the token's key in its own KV head, not over all KV heads as in
+// OScaR: this library evicts per KV head (ragged), so row t of two heads is generally not the
+// same token after eviction. Per head it is still exact and no coarser.
+//
+// Quantization (block.hpp): K per channel over groups of `group` consecutive tokens (KIVI: key
+// outliers live in channels); V per token over groups of `group` channels. The unit of storage is
+// a tile of `group` tokens of one KV head:
+//   key tile   = Block[d]          (block c: channel c of the tile's tokens, in token order)
+//                + float norm[group]                         (only when token_norm)
+//   value tile = Block[group][d / group]  (token-major; block b: channels [b*group, (b+1)*group))
+// Both tiles are arrays of 4-byte-aligned structs; their sizes are key_tile_bytes() and
+// value_tile_bytes(). A partial last tile (encode() of a token count that is not a multiple of
+// group) has zero blocks / zero norms past the valid tokens.
+//
+// Bytes per token and KV head, packed part (bytes_per_token()):
+//   2 * d * sizeof(Block) / group + (token_norm ? 4 : 0)
+//   int2, group 32: d=64: 68, d=128: 132 (fp16 K+V: 256 / 512 -> 3.9x smaller)
+//   int4, group 32: d=64: 100, d=128: 196          kivi (2 bit, group 32): d=128: 128
+// The fp32 scale + zero point of a 32-value group cost 2 bits per value, as much as the codes:
+// group=128 brings int2 down to 2 * 128 * 40 / 128 + 4 = 84 bytes at d=128.
+// The residual window (packed_cache.hpp) holds up to `residual` more tokens at 2 * d * 4 + 4
+// bytes each.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/core/params.hpp"
+#include "kvpolicy/quant/block.hpp"
+#include "kvpolicy/quant/hadamard.hpp"
+
+namespace kvpolicy::quant {
+
+enum class Part : std::uint8_t { keys, values };
+
+struct QuantConfig {
+  int bits = 2;
+  int group = 32;      // tokens per K group = channels per V group = tokens per tile
+  int residual = 128;  // newest tokens kept in fp32 (packed_cache.hpp)
+  bool rotate = true;
+  bool token_norm = true;
+  friend bool operator==(const QuantConfig&, const QuantConfig&) = default;
+};
+
+// Checks what does not depend on the head dimension.
+inline void validate_format(const QuantConfig& c, std::string_view who) {
+  require_format(c.bits, c.group, who);
+  KVP_REQUIRE(c.residual >= 0, who, ": residual must be >= 0 tokens, got ", c.residual);
+}
+
+// Full check against a head dimension.
+inline void validate(const QuantConfig& c, std::int64_t head_dim, std::string_view who) {
+  validate_format(c, who);
+  KVP_REQUIRE(head_dim > 0, who, ": head_dim must be positive, got ", head_dim);
+  KVP_REQUIRE(head_dim % c.group == 0, who, ": group ", c.group, " does not divide head_dim ",
+              head_dim, " (values are quantized in groups of channels)");
+  if (c.rotate) require_hadamard_size(head_dim, std::string(who) + ": head_dim");
+}
+
+inline std::size_t key_tile_bytes(const QuantConfig& c, std::int64_t d) {
+  return static_cast<std::size_t>(d) * block_bytes(c.bits, c.group) +
+         (c.token_norm ? static_cast<std::size_t>(c.group) * sizeof(float) : 0);
+}
+inline std::size_t value_tile_bytes(const QuantConfig& c, std::int64_t d) {
+  return static_cast<std::size_t>(d) * block_bytes(c.bits, c.group);
+}
+inline std::size_t tile_bytes(const QuantConfig& c, Part p, std::int64_t d) {
+  return p == Part::keys ? key_tile_bytes(c, d) : value_tile_bytes(c, d);
+}
+
+// Packed bytes per token and KV head (K + V + token norm), excluding the residual window.
+inline double bytes_per_token(const QuantConfig& c, std::int64_t head_dim) {
+  return static_cast<double>(key_tile_bytes(c, head_dim) + value_tile_bytes(c, head_dim)) /
+         static_cast<double>(c.group);
+}
+
+// --- Stored form of one row (host; d already validated) -------------------------------------
+
+// k <- H k / ||k|| in place; returns the token norm (1 without token_norm, 0 for a zero key,
+// which then stays zero).
+inline float prepare_key(const QuantConfig& c, float* k, std::int64_t d) {
+  if (c.rotate) hadamard_unchecked(k, d);
+  if (!c.token_norm) return 1.0f;
+  double s = 0;
+  for (std::int64_t i = 0; i < d; ++i) s += static_cast<double>(k[i]) * k[i];
+  const float n = static_cast<float>(std::sqrt(s));
+  if (n > 0.0f)
+    for (std::int64_t i = 0; i < d; ++i) k[i] /= n;
+  return n;
+}
+inline void prepare_value(const QuantConfig& c, float* v, std::int64_t d) {
+  if (c.rotate) hadamard_unchecked(v, d);
+}
+// Inverses: back to the original space.
+inline void restore_key(const QuantConfig& c, float* k, std::int64_t d, float norm) {
+  if (c.token_norm)
+    for (std::int64_t i = 0; i < d; ++i) k[i] *= norm;
+  if (c.rotate) hadamard_unchecked(k, d);
+}
+inline void restore_value(const QuantConfig& c, float* v, std::int64_t d) {
+  if (c.rotate) hadamard_unchecked(v, d);
+}
+
+// --- Tiles (scalar reference codec); Blk = Block<bits, group> --------------------------------
+
+// k: n <= group stored-form rows [n][d]; norms: [n] (read only with token_norm).
+template <class Blk>
+void encode_key_tile(const QuantConfig& c, const float* k, const float* norms, int n,
+                     std::int64_t d, std::byte* out) {
+  auto* blocks = reinterpret_cast<Blk*>(out);
+  for (std::int64_t ch = 0; ch < d; ++ch) quantize_block(k + ch, d, n, blocks[ch]);
+  if (c.token_norm) {
+    auto* nr = reinterpret_cast<float*>(out + d * static_cast<std::int64_t>(sizeof(Blk)));
+    for (int t = 0; t < Blk::group; ++t) nr[t] = t < n ? norms[t] : 0.0f;
+  }
+}
+
+// v: n <= group stored-form rows [n][d].
+template <class Blk>
+void encode_value_tile(const float* v, int n, std::int64_t d, std::byte* out) {
+  auto* blocks = reinterpret_cast<Blk*>(out);
+  const std::int64_t per_row = d / Blk::group;
+  std::memset(out, 0, static_cast<std::size_t>(Blk::group * per_row) * sizeof(Blk));
+  for (int t = 0; t < n; ++t)
+    for (std::int64_t b = 0; b < per_row; ++b)
+      quantize_block(v + t * d + b * Blk::group, 1, Blk::group, blocks[t * per_row + b]);
+}
+
+// Stored-form rows [n][d] and norms [n] (norms may be null; 1 without token_norm).
+template <class Blk>
+void decode_key_tile(const QuantConfig& c, const std::byte* in, int n, std::int64_t d, float* k,
+                     float* norms) {
+  const auto* blocks = reinterpret_cast<const Blk*>(in);
+  for (std::int64_t ch = 0; ch < d; ++ch) dequantize_block(blocks[ch], k + ch, d, n);
+  if (!norms) return;
+  const auto* nr = reinterpret_cast<const float*>(in + d * static_cast<std::int64_t>(sizeof(Blk)));
+  for (int t = 0; t < n; ++t) norms[t] = c.token_norm ? nr[t] : 1.0f;
+}
+
+template <class Blk>
+void decode_value_tile(const std::byte* in, int n, std::int64_t d, float* v) {
+  const auto* blocks = reinterpret_cast<const Blk*>(in);
+  const std::int64_t per_row = d / Blk::group;
+  for (int t = 0; t < n; ++t)
+    for (std::int64_t b = 0; b < per_row; ++b)
+      dequantize_block(blocks[t * per_row + b], v + t * d + b * Blk::group, 1, Blk::group);
+}
+
+// --- The policy stage ------------------------------------------------------------------------
+
+// One value type for int2 / int4 / kivi (Tag gives the spec name and defaults). Models
+// kvpolicy::Quantizer: encode()/decode() pack one part (keys or values: `part`) of a whole view
+// [layer][head][token][dim], row (l, h) at byte offset (l * heads + h) * packed_bytes(tokens,
+// dim), as ceil(tokens / group) tiles. Decoding returns the original space (norm multiplied back,
+// rotated back). A Session keeps a PackedCache per (layer, KV head) instead (residual window,
+// decode-time appends) and reads it with packed_attention (attention.hpp).
+template <class Tag>
+struct BasicQuantizer {
+  static constexpr std::string_view name = Tag::name;
+  QuantConfig config = Tag::defaults;
+  Part part = Part::keys;
+
+  int bits() const { return config.bits; }
+  BasicQuantizer keys() const { return {config, Part::keys}; }
+  BasicQuantizer values() const { return {config, Part::values}; }
+  void validate(std::int64_t head_dim) const { quant::validate(config, head_dim, name); }
+  double bytes_per_token(std::int64_t head_dim) const {
+    return quant::bytes_per_token(config, head_dim);
+  }
+
+  // Bytes of one (layer, head) row of `tokens` tokens.
+  std::size_t packed_bytes(std::int64_t tokens, std::int64_t head_dim) const {
+    validate(head_dim);
+    KVP_REQUIRE(tokens >= 0, name, ": negative token count ", tokens);
+    const std::int64_t tiles = (tokens + config.group - 1) / config.group;
+    return static_cast<std::size_t>(tiles) * tile_bytes(config, part, head_dim);
+  }
+
+  void encode(const KVView<const float>& src, std::span<std::byte> packed) const {
+    validate_view(src, packed.size(), "encode");
+    require_finite(src, std::string(name) + ": encode input");
+    const std::int64_t d = src.dim;
+    std::vector<float> rows(static_cast<std::size_t>(config.group * d)), norms(static_cast<std::size_t>(config.group));
+    for_each_tile(src, [&](auto blk, std::int64_t l, std::int64_t h, std::int64_t t0, int n, std::size_t off) {
+      using Blk = decltype(blk);
+      for (int t = 0; t < n; ++t) {
+        float* r = rows.data() + t * d;
+        for (std::int64_t i = 0; i < d; ++i) r[i] = src.at(l, h, t0 + t, i);
+        if (part == Part::keys) norms[static_cast<std::size_t>(t)] = prepare_key(config, r, d);
+        else prepare_value(config, r, d);
+      }
+      if (part == Part::keys) encode_key_tile<Blk>(config, rows.data(), norms.data(), n, d, packed.data() + off);
+      else encode_value_tile<Blk>(rows.data(), n, d, packed.data() + off);
+    });
+  }
+
+  void decode(std::span<const std::byte> packed, const KVView<float>& dst) const {
+    validate_view(dst, packed.size(), "decode");
+    const std::int64_t d = dst.dim;
+    std::vector<float> rows(static_cast<std::size_t>(config.group * d)), norms(static_cast<std::size_t>(config.group));
+    for_each_tile(dst, [&](auto blk, std::int64_t l, std::int64_t h, std::int64_t t0, int n, std::size_t off) {
+      using Blk = decltype(blk);
+      if (part == Part::keys) decode_key_tile<Blk>(config, packed.data() + off, n, d, rows.data(), norms.data());
+      else decode_value_tile<Blk>(packed.data() + off, n, d, rows.data());
+      for (int t = 0; t < n; ++t) {
+        float* r = rows.data() + t * d;
+        if (part == Part::keys) restore_key(config, r, d, norms[static_cast<std::size_t>(t)]);
+        else restore_value(config, r, d);
+        for (std::int64_t i = 0; i < d; ++i) dst.at(l, h, t0 + t, i) = r[i];
+      }
+    });
+  }
+
+  // Spec parameters: int2/int4 take group, residual, rotate, token_norm; kivi takes bits, group,
+  // residual. The caller (registry) rejects unread names with Params::finish().
+  static BasicQuantizer from_params(Params& p) {
+    BasicQuantizer q;
+    if constexpr (Tag::configurable_bits) q.config.bits = static_cast<int>(p.get_int("bits", q.config.bits));
+    q.config.group = static_cast<int>(p.get_int("group", q.config.group));
+    q.config.residual = static_cast<int>(p.get_int("residual", q.config.residual));
+    if constexpr (Tag::configurable_transform) {
+      q.config.rotate = p.get_bool("rotate", q.config.rotate);
+      q.config.token_norm = p.get_bool("token_norm", q.config.token_norm);
+    }
+    validate_format(q.config, name);
+    return q;
+  }
+
+ private:
+  // f(Block{}, layer, head, first token, tokens, byte offset) for every tile of a view.
+  template <class T, class F>
+  void for_each_tile(const KVView<T>& v, F&& f) const {
+    const std::int64_t G = config.group, tokens = v.tokens;
+    const std::size_t row_bytes = packed_bytes(tokens, v.dim), tb = tile_bytes(config, part, v.dim);
+    with_block(config.bits, G, [&](auto blk) {
+      for (std::int64_t l = 0; l < v.layers; ++l)
+        for (std::int64_t h = 0; h < v.heads; ++h)
+          for (std::int64_t t0 = 0; t0 < tokens; t0 += G)
+            f(blk, l, h, t0, static_cast<int>(std::min(G, tokens - t0)),
+              static_cast<std::size_t>(l * v.heads + h) * row_bytes + static_cast<std::size_t>(t0 / G) * tb);
+    });
+  }
+
+  template <class T>
+  void validate_view(const KVView<T>& v, std::size_t have, std::string_view op) const {
+    kvpolicy::validate(v, std::string(name) + ": " + std::string(op) + " view");
+    validate(v.dim);
+    const std::size_t need = static_cast<std::size_t>(v.layers * v.heads) * packed_bytes(v.tokens, v.dim);
+    KVP_REQUIRE(have >= need, name, ": ", op, " needs ", need, " packed bytes for ", v.layers,
+                " layers x ", v.heads, " heads x ", v.tokens, " tokens, got ", have);
+  }
+};
+
+struct Int2Tag {
+  static constexpr std::string_view name = "int2";
+  static constexpr QuantConfig defaults{2, 32, 128, true, true};
+  static constexpr bool configurable_bits = false, configurable_transform = true;
+};
+struct Int4Tag {
+  static constexpr std::string_view name = "int4";
+  static constexpr QuantConfig defaults{4, 32, 128, true, true};
+  static constexpr bool configurable_bits = false, configurable_transform = true;
+};
+struct KiviTag {
+  static constexpr std::string_view name = "kivi";
+  static constexpr QuantConfig defaults{2, 32, 128, false, false};
+  static constexpr bool configurable_bits = true, configurable_transform = false;
+};
+
+using Int2 = BasicQuantizer<Int2Tag>;
+using Int4 = BasicQuantizer<Int4Tag>;
+using Kivi = BasicQuantizer<KiviTag>;
+
+}  // namespace kvpolicy::quant

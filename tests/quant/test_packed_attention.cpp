@@ -1,0 +1,318 @@
+// PackedCache (residual window) and packed_attention: flush boundaries, token-by-token appends
+// equal one bulk append, rotation + norm scaling are exact without quantization, packed attention
+// equals attention over the dequantized cache, and on outlier channels + low-norm sink tokens
+// int2 with rotation and norm scaling beats KIVI.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include <kvpolicy/cpu/attention.hpp>
+#include <kvpolicy/quant/attention.hpp>
+
+#include "common/random.hpp"
+
+using Catch::Matchers::Contains;
+using kvpolicy::KVView;
+namespace q = kvpolicy::quant;
+
+namespace {
+
+std::vector<q::PackedCache> make_caches(const q::QuantConfig& c, const std::vector<float>& k,
+                                        const std::vector<float>& v, std::int64_t cap, std::int64_t d,
+                                        const std::vector<std::int64_t>& lengths) {
+  std::vector<q::PackedCache> caches;
+  for (std::size_t h = 0; h < lengths.size(); ++h) {
+    caches.emplace_back(c, d);
+    const auto off = static_cast<std::int64_t>(h) * cap * d;
+    caches.back().append(k.data() + off, v.data() + off, lengths[h]);
+  }
+  return caches;
+}
+
+// fp32 ragged attention (cpu::attention) over K/V [Hkv][cap][d].
+std::vector<float> dense_attention(const std::vector<float>& k, const std::vector<float>& v,
+                                   std::int64_t cap, std::int64_t d, const std::vector<std::int64_t>& lengths,
+                                   const std::vector<float>& queries, std::int64_t Hq, std::int64_t nq,
+                                   bool causal, const float* bias, std::int64_t bias_stride) {
+  const auto Hkv = static_cast<std::int64_t>(lengths.size());
+  kvpolicy::cpu::RaggedAttentionArgs a;
+  a.lengths = lengths.data();
+  a.causal = causal;
+  a.bias = bias;
+  a.bias_stride = bias_stride;
+  std::vector<float> out(static_cast<std::size_t>(Hq * nq * d));
+  kvpolicy::cpu::attention(kvpolicy::cpu_backend{1}, KVView<const float>::hnd(k.data(), 1, Hkv, cap, d),
+                           KVView<const float>::hnd(v.data(), 1, Hkv, cap, d),
+                           KVView<const float>::hnd(queries.data(), 1, Hq, nq, d), a, out.data());
+  return out;
+}
+
+std::vector<float> run_packed(const std::vector<q::PackedCache>& caches, const std::vector<float>& queries,
+                              std::int64_t Hq, std::int64_t nq, std::int64_t d, bool causal,
+                              const float* bias, std::int64_t bias_stride, int threads = 2) {
+  q::PackedAttentionArgs a;
+  a.causal = causal;
+  a.bias = bias;
+  a.bias_stride = bias_stride;
+  std::vector<float> out(static_cast<std::size_t>(Hq * nq * d), 7.f);
+  q::packed_attention(kvpolicy::cpu_backend{threads}, std::span<const q::PackedCache>(caches),
+                      KVView<const float>::hnd(queries.data(), 1, Hq, nq, d), a, out.data());
+  return out;
+}
+
+double max_abs(const std::vector<float>& x) {
+  double m = 0;
+  for (float v : x) m = std::max(m, double(std::abs(v)));
+  return m;
+}
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
+  double e = 0, r = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    e += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    r += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(e / r);
+}
+
+bool same_state(const q::PackedCache& a, const q::PackedCache& b) {
+  if (a.size() != b.size() || a.packed_tokens() != b.packed_tokens()) return false;
+  const auto d = static_cast<std::size_t>(a.head_dim());
+  const auto res = static_cast<std::size_t>(a.residual_tokens());
+  return (a.tiles() == 0 ||
+          (std::memcmp(a.key_tile(0), b.key_tile(0), a.key_tile_size() * static_cast<std::size_t>(a.tiles())) == 0 &&
+           std::memcmp(a.value_tile(0), b.value_tile(0), a.value_tile_size() * static_cast<std::size_t>(a.tiles())) == 0)) &&
+         (res == 0 || (std::memcmp(a.residual_keys(), b.residual_keys(), res * d * sizeof(float)) == 0 &&
+                       std::memcmp(a.residual_values(), b.residual_values(), res * d * sizeof(float)) == 0 &&
+                       std::memcmp(a.residual_norms(), b.residual_norms(), res * sizeof(float)) == 0));
+}
+
+}  // namespace
+
+TEST_CASE("residual window: aligned flushes, and token-by-token appends equal one bulk append", "[quant]") {
+  const int residual = GENERATE(0, 5, 31, 32, 100, 128);
+  const std::int64_t d = 64, T = 300, G = 32;
+  const q::QuantConfig c{2, 32, residual, true, true};
+  kvtest::Rng rng(static_cast<std::uint64_t>(residual) + 1);
+  auto k = rng.normals(T * d), v = rng.normals(T * d);
+  INFO("residual " << residual);
+  q::PackedCache one(c, d), chunks(c, d);
+  for (std::int64_t t = 0; t < T; ++t) {
+    one.append(k.data() + t * d, v.data() + t * d, 1);
+    const std::int64_t n = t + 1;
+    const std::int64_t want = G * std::min((std::max<std::int64_t>(0, n - residual) + G - 1) / G, n / G);
+    REQUIRE(one.packed_tokens() == want);
+    REQUIRE(one.size() == n);
+    REQUIRE(one.residual_tokens() <= std::max<std::int64_t>(residual, G - 1));
+  }
+  // Random chunk sizes crossing block boundaries, and one bulk append.
+  for (std::int64_t t = 0; t < T;) {
+    const std::int64_t n = std::min<std::int64_t>(T - t, rng.integer(0, 70));
+    chunks.append(k.data() + t * d, v.data() + t * d, n);
+    t += n;
+  }
+  q::PackedCache bulk(c, d);
+  bulk.append(k.data(), v.data(), T);
+  CHECK(same_state(one, bulk));
+  CHECK(same_state(chunks, bulk));
+  // The packed tiles are exactly what the Quantizer concept's encode() makes of the same tokens.
+  const std::int64_t P = bulk.packed_tokens();
+  if (P > 0) {
+    const q::Int2 quant{c};
+    std::vector<std::byte> pk(quant.keys().packed_bytes(P, d)), pv(quant.values().packed_bytes(P, d));
+    quant.keys().encode(KVView<const float>::hnd(k.data(), 1, 1, P, d), pk);
+    quant.values().encode(KVView<const float>::hnd(v.data(), 1, 1, P, d), pv);
+    CHECK(std::memcmp(pk.data(), bulk.key_tile(0), pk.size()) == 0);
+    CHECK(std::memcmp(pv.data(), bulk.value_tile(0), pv.size()) == 0);
+  }
+  CHECK(bulk.memory_bytes() == static_cast<std::size_t>(P / G) * (bulk.key_tile_size() + bulk.value_tile_size()) +
+                                   static_cast<std::size_t>(bulk.residual_tokens() * (2 * d + 1)) * sizeof(float));
+}
+
+TEST_CASE("PackedCache appends from typed strided views", "[quant]") {
+  const std::int64_t d = 64, T = 70;
+  kvtest::Rng rng(9);
+  std::vector<double> kd(static_cast<std::size_t>(2 * T * d)), vd(kd.size());
+  for (auto& x : kd) x = rng.normal();
+  for (auto& x : vd) x = rng.normal();
+  auto K = kvtest::make_tensor<kvpolicy::half>(1, 2, T, d, kd, kvpolicy::Layout::NHD);
+  auto V = kvtest::make_tensor<kvpolicy::half>(1, 2, T, d, vd, kvpolicy::Layout::NHD);
+  const q::QuantConfig c{2, 32, 16, true, true};
+  q::PackedCache from_view(c, d), from_rows(c, d);
+  from_view.append(K.view(), V.view(), 0, 1, 0, 20);
+  from_view.append(K.view(), V.view(), 0, 1, 20, T - 20);
+  std::vector<float> kr(static_cast<std::size_t>(T * d)), vr(kr.size());
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < d; ++i) {
+      kr[static_cast<std::size_t>(t * d + i)] = static_cast<float>(K.ref.at(0, 1, t, i));
+      vr[static_cast<std::size_t>(t * d + i)] = static_cast<float>(V.ref.at(0, 1, t, i));
+    }
+  from_rows.append(kr.data(), vr.data(), T);
+  CHECK(same_state(from_view, from_rows));
+  CHECK_THROWS_WITH(from_view.append(K.view(), V.view(), 0, 2, 0, 1), Contains("(layer 0, head 2) is outside the views"));
+  CHECK_THROWS_WITH(from_view.append(K.view(), V.view(), 0, 0, 60, 11), Contains("tokens [60, 71) are outside the views"));
+}
+
+TEST_CASE("rotation and token-norm scaling are exact without quantization", "[quant]") {
+  const bool causal = GENERATE(false, true);
+  const bool with_bias = GENERATE(false, true);
+  const std::int64_t Hkv = 2, g = 3, d = 128, cap = 90, nq = 4;
+  kvtest::Rng rng(17 + causal + 2 * with_bias);
+  auto k = rng.normals(Hkv * cap * d), v = rng.normals(Hkv * cap * d), qs = rng.normals(Hkv * g * nq * d);
+  for (std::int64_t t = 0; t < cap; ++t)  // token norms from 0.01 to ~30
+    for (std::int64_t i = 0; i < d; ++i) k[static_cast<std::size_t>(t * d + i)] *= 0.01f + 0.03f * static_cast<float>(t);
+  std::vector<float> bias(static_cast<std::size_t>(Hkv * cap));
+  for (auto& b : bias) b = static_cast<float>(rng.uniform(0, 2));
+  const std::vector<std::int64_t> lengths = {90, 33};
+  // residual >= length: everything stays in the fp32 residual, in rotated + normalized form.
+  const auto caches = make_caches({2, 32, 1000, true, true}, k, v, cap, d, lengths);
+  REQUIRE(caches[0].packed_tokens() == 0);
+  const float* bp = with_bias ? bias.data() : nullptr;
+  const auto out = run_packed(caches, qs, Hkv * g, nq, d, causal, bp, cap);
+  const auto ref = dense_attention(k, v, cap, d, lengths, qs, Hkv * g, nq, causal, bp, cap);
+  // Logits up to ~30 * |q| |k~| / sqrt(d) ~ 30; fp32 rounding of the rotation, the division by
+  // the norm and the product with it is a few ulp of each logit, ~1e-5 absolute, which moves
+  // the outputs (|o| <~ 3) by about as much.
+  INFO("max |out - ref| = " << max_diff(out, ref) << ", max |ref| = " << max_abs(ref));
+  CHECK(max_diff(out, ref) < 2e-5 * std::max(1.0, max_abs(ref)));
+}
+
+TEST_CASE("packed attention equals attention over the dequantized cache", "[quant]") {
+  const int bits = GENERATE(2, 4);
+  const int group = GENERATE(32, 64);
+  const bool transform = GENERATE(true, false);  // int2/int4 vs kivi
+  const bool causal = GENERATE(false, true);
+  const std::int64_t Hkv = 2, g = 3, d = 128, cap = 300, nq = 5;
+  const q::QuantConfig c{bits, group, 40, transform, transform};
+  kvtest::Rng rng(static_cast<std::uint64_t>(bits * 100 + group + 2 * transform + causal));
+  auto k = rng.normals(Hkv * cap * d, 2.0f), v = rng.normals(Hkv * cap * d), qs = rng.normals(Hkv * g * nq * d);
+  std::vector<float> bias(static_cast<std::size_t>(Hkv * cap));
+  for (auto& b : bias) b = std::log(static_cast<float>(rng.integer(1, 5)));
+  const std::vector<std::int64_t> lengths = {300, 77};  // 77: one packed tile of 64, or 32 + 45
+  const auto caches = make_caches(c, k, v, cap, d, lengths);
+  REQUIRE(caches[0].tiles() > 0);
+  REQUIRE(caches[1].tiles() > 0);
+  std::vector<float> kd(k.size()), vd(v.size());
+  for (std::int64_t h = 0; h < Hkv; ++h) caches[static_cast<std::size_t>(h)].decode(kd.data() + h * cap * d, vd.data() + h * cap * d);
+  const auto out = run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap);
+  const auto ref = dense_attention(kd, vd, cap, d, lengths, qs, Hkv * g, nq, causal, bias.data(), cap);
+  // Both compute the same real number in fp32 in a different order: the packed path rotates q
+  // and the output (log2(128) = 7 rounded additions each), multiplies each logit by the stored
+  // norm instead of using the restored key, and sums the softmax online per tile. Logits are
+  // O(10) (|k| ~ 2 sqrt(d)), so each differs by ~1e-6 relative -> ~1e-5 absolute; outputs are
+  // O(1). 3e-5 of the output scale leaves headroom but is far below one quantization step (~0.3).
+  INFO("bits " << bits << " group " << group << " rotate+norm " << transform << " causal " << causal
+               << ": max |out - ref| = " << max_diff(out, ref) << ", max |ref| = " << max_abs(ref));
+  CHECK(max_diff(out, ref) < 3e-5 * std::max(1.0, max_abs(ref)));
+  // Thread count does not change a bit.
+  CHECK(run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap, 1) == out);
+}
+
+namespace {
+
+// Keys with a shared offset in a few outlier channels (queries point away from it, so normal
+// tokens get negative logits) and 4 low-norm sink tokens at the start that draw most of the
+// attention, the pattern OScaR describes; values with two outlier channels. Token scales vary.
+struct OutlierCase {
+  std::int64_t Hkv = 2, g = 2, d = 128, T = 512, nq = 4;
+  std::vector<float> k, v, qs;
+  explicit OutlierCase(std::uint64_t seed) {
+    kvtest::Rng rng(seed);
+    k = rng.normals(Hkv * T * d);
+    v = rng.normals(Hkv * T * d);
+    qs = rng.normals(Hkv * g * nq * d);
+    for (std::int64_t h = 0; h < Hkv; ++h) {
+      std::vector<float> mu(static_cast<std::size_t>(d), 0.0f);
+      for (int o = 0; o < 6; ++o) mu[static_cast<std::size_t>(rng.integer(0, d - 1))] = rng.uniform() < 0.5 ? -6.0f : 6.0f;
+      for (std::int64_t t = 0; t < T; ++t) {
+        float* kr = k.data() + (h * T + t) * d;
+        float* vr = v.data() + (h * T + t) * d;
+        const bool sink = t < 4;
+        const float a = sink ? 0.05f : static_cast<float>(std::exp(rng.uniform(std::log(0.5), std::log(2.0))));
+        for (std::int64_t i = 0; i < d; ++i) kr[i] = sink ? a * kr[i] : a * (kr[i] + mu[static_cast<std::size_t>(i)]);
+        if (sink)
+          for (std::int64_t i = 0; i < d; ++i) vr[i] *= 0.1f;
+        else
+          vr[5] += 15.0f, vr[77] -= 15.0f;
+      }
+      for (std::int64_t r = 0; r < g * nq; ++r) {
+        float* qr = qs.data() + (h * g * nq + r) * d;
+        for (std::int64_t i = 0; i < d; ++i) qr[i] -= 0.3f * mu[static_cast<std::size_t>(i)];
+      }
+    }
+  }
+  double error(const q::QuantConfig& c) const {
+    const std::vector<std::int64_t> lengths(static_cast<std::size_t>(Hkv), T);
+    const auto caches = make_caches(c, k, v, T, d, lengths);
+    const auto out = run_packed(caches, qs, Hkv * g, nq, d, false, nullptr, 0);
+    const auto ref = dense_attention(k, v, T, d, lengths, qs, Hkv * g, nq, false, nullptr, 0);
+    return rel_l2(out, ref);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("rotation + token-norm scaling beat KIVI on outlier channels and low-norm sinks", "[quant]") {
+  // residual 0: every token is quantized, so the comparison measures the codes alone.
+  const q::QuantConfig int2{2, 32, 0, true, true}, kivi2{2, 32, 0, false, false};
+  const q::QuantConfig rot_only{2, 32, 0, true, false}, norm_only{2, 32, 0, false, true};
+  const q::QuantConfig int4{4, 32, 0, true, true}, kivi4{4, 32, 0, false, false};
+  const int seeds = 20;
+  double sum[6] = {0, 0, 0, 0, 0, 0};
+  for (int s = 0; s < seeds; ++s) {
+    const OutlierCase oc(1000 + static_cast<std::uint64_t>(s));
+    const double e[6] = {oc.error(int2), oc.error(kivi2), oc.error(rot_only), oc.error(norm_only),
+                         oc.error(int4), oc.error(kivi4)};
+    for (int i = 0; i < 6; ++i) sum[i] += e[i];
+    INFO("seed " << s << ": int2 " << e[0] << ", kivi-2 " << e[1] << ", int4 " << e[4] << ", kivi-4 " << e[5]);
+    CHECK(e[0] < e[1]);
+    CHECK(e[4] < e[5]);
+  }
+  std::ostringstream os;
+  os << "mean relative L2 attention-output error over " << seeds << " seeds: int2 (rotate+norm) "
+     << sum[0] / seeds << ", rotate only " << sum[2] / seeds << ", norm only " << sum[3] / seeds
+     << ", kivi-2 " << sum[1] / seeds << "; int4 " << sum[4] / seeds << ", kivi-4 " << sum[5] / seeds;
+  SUCCEED(os.str());  // shown with -s
+  CHECK(sum[0] < 0.5 * sum[1]);
+}
+
+TEST_CASE("packed attention and PackedCache reject bad arguments with messages", "[quant]") {
+  const std::int64_t d = 64;
+  std::vector<float> k(static_cast<std::size_t>(40 * d), 0.5f), qs(static_cast<std::size_t>(4 * d), 1.0f), out(qs.size());
+  std::vector<q::PackedCache> caches;
+  caches.emplace_back(q::QuantConfig{}, d);
+  caches.emplace_back(q::QuantConfig{}, d);
+  for (auto& c : caches) c.append(k.data(), k.data(), 40);
+  const kvpolicy::cpu_backend be{1};
+  const std::span<const q::PackedCache> hs(caches);
+  const auto Q = KVView<const float>::hnd(qs.data(), 1, 4, 1, d);
+  CHECK_NOTHROW(q::packed_attention(be, hs, Q, {}, out.data()));
+  CHECK_THROWS_WITH(q::packed_attention(be, hs, KVView<const float>::hnd(qs.data(), 1, 3, 1, d), {}, out.data()),
+                    Contains("3 query heads are not a multiple of 2 KV heads"));
+  CHECK_THROWS_WITH(q::packed_attention(be, hs, KVView<const float>::hnd(qs.data(), 1, 2, 1, 2 * d), {}, out.data()),
+                    Contains("head_dim mismatch (queries 128, KV head 0 64)"));
+  CHECK_THROWS_WITH(q::packed_attention(be, hs, KVView<const float>::hnd(qs.data(), 2, 2, 1, d), {}, out.data()),
+                    Contains("pass one layer"));
+  CHECK_THROWS_WITH(q::packed_attention(be, hs.first(0), Q, {}, out.data()), Contains("no KV heads"));
+  std::vector<float> bias(39);
+  CHECK_THROWS_WITH(q::packed_attention(be, hs, Q, {bias.data(), 39, false}, out.data()),
+                    Contains("bias_stride 39 is shorter than KV head 0's 40 tokens"));
+  caches[1] = q::PackedCache(q::QuantConfig{4, 32, 128, true, true}, d);
+  CHECK_THROWS_WITH(q::packed_attention(be, std::span<const q::PackedCache>(caches), Q, {}, out.data()),
+                    Contains("KV head 1 was quantized with another configuration"));
+  CHECK_THROWS_WITH(q::PackedCache(q::Int2{}, 96), Contains("int2: head_dim 96 is not a power of two"));
+  CHECK_THROWS_WITH(q::PackedCache(q::Kivi{}, 80), Contains("kivi: group 32 does not divide head_dim 80"));
+  CHECK_THROWS_WITH(q::PackedCache(q::QuantConfig{3, 32, 128, false, false}, 64), Contains("bits must be 2 or 4, got 3"));
+  q::PackedCache c(q::QuantConfig{}, d);
+  k[70] = INFINITY;
+  CHECK_THROWS_WITH(c.append(k.data(), k.data(), 40), Contains("token 1 has a non-finite key element at dim 6"));
+  CHECK(c.size() == 1);  // the tokens before the bad one were appended
+  CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
+}
