@@ -29,11 +29,12 @@ def by_policy(rows, x_key, y_key):
 
 def budget_plot(path, title, ylabel, lines, full=None, percent_y=False, xlabel="budget (kept fraction of the prompt)",
                 percent_x=True):
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for policy, pts in lines.items():
+    fig, ax = plt.subplots(figsize=(9.0, 4.4), dpi=120)
+    markers = "osD^v<>pX*h"
+    for i, (policy, pts) in enumerate(lines.items()):
         xs = [x * 100 if percent_x else x for x, _ in pts]
         ys = [y * 100 if percent_y else y for _, y in pts]
-        ax.plot(xs, ys, marker="o", label=policy)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], label=policy, alpha=0.85)
     if full is not None:
         ax.axhline(full * 100 if percent_y else full, color="black", linestyle="--", linewidth=1,
                    label="full cache")
@@ -41,7 +42,7 @@ def budget_plot(path, title, ylabel, lines, full=None, percent_y=False, xlabel="
     ax.set_xlabel(xlabel + (" (%)" if percent_x else ""))
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
