@@ -222,5 +222,6 @@ void time_pair(benchmark::State& state, const std::string& key, double work, Set
 void register_snapkv();
 void register_h2o();
 void register_compact();
+void register_alloc();
 
 }  // namespace kvbench
