@@ -20,7 +20,8 @@ namespace detail {
 template <class S, Element T, class AllocateFn>
 Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& allocate,
                         const AllocRequirements& req, const Inputs<T>& in, const Budget& budget,
-                        Stats& stats, ScoreMap* scores_out, const EventInfo& ev = {}) {
+                        Stats& stats, ScoreMap* scores_out, const EventInfo& ev = {},
+                        Protect* protect_out = nullptr) {
   KVP_REQUIRE(req.order_error.empty(), req.order_error);
   validate(in, scorer.needs() | req.needs, std::max(scorer.query_window(), req.window));
   const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
@@ -35,6 +36,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   const Protect own = scorer.protect(Tk, per_row);
   const Protect protect{std::max(own.sinks, req.protect.sinks),
                         std::max(own.recent, req.protect.recent)};
+  if (protect_out) *protect_out = protect;
   const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
   const std::int64_t n_protected = protect.total(Tk);
   for (std::int64_t b : budgets)

@@ -1,7 +1,10 @@
 // Policy: the runtime form of a pipeline, built from a spec string (for the CLI, Python and the
-// C ABI). "snapkv(window=32,kernel=7,pool=max) | uniform": one scorer, then allocators.
-// Unknown names or parameters raise kvpolicy::Error listing what is valid.
+// C ABI). "snapkv(window=32,kernel=7,pool=max) | adakv | semantic(tau=0.9) | int2": one scorer,
+// then allocators (layers -> heads -> segments), then at most one merger (semantic, nearest),
+// then at most one quantizer (int2, int4, kivi), in that order. Unknown names or parameters, and
+// stages out of order, raise kvpolicy::Error listing what is valid.
 #pragma once
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -42,6 +45,8 @@ class Policy {
  public:
   using AnyScorer = detail::variant_of<scorer_types>::type;
   using AnyAllocator = detail::variant_of<allocator_types>::type;
+  using AnyMerger = detail::variant_of<merger_types>::type;
+  using AnyQuantizer = detail::variant_of<quantizer_types>::type;
 
   Policy() : Policy("streaming") {}
   explicit Policy(std::string_view spec) {
@@ -51,15 +56,35 @@ class Policy {
     KVP_REQUIRE(detail::make_stage(stages[0], scorer_, static_cast<scorer_types*>(nullptr)),
                 "unknown scorer '", stages[0].name, "' (valid scorers: ", scorer_names, ")");
     spec_ = stages[0].text;
+    const std::string merger_names = detail::names_of(static_cast<merger_types*>(nullptr));
+    const std::string quant_names = detail::names_of(static_cast<quantizer_types*>(nullptr));
     for (std::size_t i = 1; i < stages.size(); ++i) {
+      SpecStage& st = stages[i];
       AnyAllocator a;
-      KVP_REQUIRE(detail::make_stage(stages[i], a, static_cast<allocator_types*>(nullptr)),
-                  "unknown stage '", stages[i].name, "' after the scorer (valid: ", alloc_names,
-                  "; the first stage must be a scorer: ", scorer_names, ")");
-      allocators_.push_back(a);
-      std::visit([&](const auto& al) { req_.add(al); }, a);
-      KVP_REQUIRE(req_.order_error.empty(), "policy spec '", spec, "': ", req_.order_error);
-      spec_ += " | " + stages[i].text;
+      AnyMerger m;
+      AnyQuantizer q;
+      if (detail::make_stage(st, a, static_cast<allocator_types*>(nullptr))) {
+        KVP_REQUIRE(!merger_ && !quantizer_, "policy spec '", spec, "': allocator '", st.name,
+                    "' comes after the ", merger_ ? "merger" : "quantizer",
+                    "; the order is scorer | allocators | merger | quantizer");
+        allocators_.push_back(a);
+        std::visit([&](const auto& al) { req_.add(al); }, a);
+        KVP_REQUIRE(req_.order_error.empty(), "policy spec '", spec, "': ", req_.order_error);
+      } else if (detail::make_stage(st, m, static_cast<merger_types*>(nullptr))) {
+        KVP_REQUIRE(!merger_ && !quantizer_, "policy spec '", spec, "': merger '", st.name,
+                    "' comes after ", merger_ ? "another merger (at most one)" : "the quantizer",
+                    "; the order is scorer | allocators | merger | quantizer");
+        merger_ = m;
+      } else if (detail::make_stage(st, q, static_cast<quantizer_types*>(nullptr))) {
+        KVP_REQUIRE(!quantizer_, "policy spec '", spec, "': quantizer '", st.name,
+                    "' comes after another quantizer (at most one)");
+        quantizer_ = q;
+      } else {
+        KVP_REQUIRE(false, "unknown stage '", st.name, "' after the scorer (allocators: ",
+                    alloc_names, "; mergers: ", merger_names, "; quantizers: ", quant_names,
+                    "; the first stage must be a scorer: ", scorer_names, ")");
+      }
+      spec_ += " | " + st.text;
     }
   }
 
@@ -106,6 +131,36 @@ class Policy {
     }
     return p;
   }
+  // The merger stage (semantic, nearest), if any; see merge().
+  const std::optional<AnyMerger>& merger() const { return merger_; }
+  // The quantizer stage (int2, int4, kivi), if any, and its format.
+  const std::optional<AnyQuantizer>& quantizer() const { return quantizer_; }
+  std::optional<quant::QuantConfig> quant_config() const {
+    if (!quantizer_) return std::nullopt;
+    return std::visit([](const auto& q) { return q.config; }, *quantizer_);
+  }
+  std::string quantizer_name() const {
+    if (!quantizer_) return {};
+    return std::string(std::visit([](const auto& q) { return q.name; }, *quantizer_));
+  }
+  // Folds evicted tokens into kept ones with the merger (no-op without one); see MergeArgs.
+  template <Element T>
+  void merge(const cpu_backend& be, const MergeArgs<T>& args) const {
+    if (merger_) std::visit([&](const auto& m) { m.merge(be, args); }, *merger_);
+  }
+  // Chunk delimiters of a semantic merger (its default set without one): what an engine's
+  // per-token delimiter mask is built from.
+  bool is_delimiter(std::string_view token_text) const {
+    if (merger_)
+      if (const auto* s = std::get_if<Semantic>(&*merger_)) return s->is_delimiter(token_text);
+    return Semantic{}.is_delimiter(token_text);
+  }
+  std::string delimiter_set() const {
+    if (merger_)
+      if (const auto* s = std::get_if<Semantic>(&*merger_)) return s->delimiters;
+    return Semantic{}.delimiters;
+  }
+
   // True for policies that evict at every decode step once the budget is reached (H2O).
   bool decode_time() const { return std::holds_alternative<H2O>(scorer_); }
 
@@ -115,9 +170,11 @@ class Policy {
                    ScoreMap* scores = nullptr) const {
     return select(be, in, budget, EventInfo{}, scores);
   }
+  // `protect`, if given, receives the tokens the selection protected (what MergeArgs needs).
   template <Element T>
   Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
-                   const EventInfo& ev, ScoreMap* scores = nullptr) const {
+                   const EventInfo& ev, ScoreMap* scores = nullptr,
+                   Protect* protect = nullptr) const {
     Stats stats;
     return std::visit(
         [&](const auto& s) {
@@ -127,7 +184,7 @@ class Policy {
                 for (const auto& a : allocators_)
                   std::visit([&](const auto& al) { al.allocate(ctx, b); }, a);
               },
-              req_, in, budget, stats, scores, ev);
+              req_, in, budget, stats, scores, ev, protect);
         },
         scorer_);
   }
@@ -142,6 +199,8 @@ class Policy {
  private:
   AnyScorer scorer_;
   std::vector<AnyAllocator> allocators_;
+  std::optional<AnyMerger> merger_;
+  std::optional<AnyQuantizer> quantizer_;
   AllocRequirements req_;
   std::string spec_;
 };

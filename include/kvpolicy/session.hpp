@@ -7,7 +7,23 @@
 // and reads the ragged cache back with keys(l) / values(l) / lengths(l). Storage is per layer,
 // HND, one capacity for all heads of a layer; every KV head has its own length, so per-head
 // budgets shrink memory for real. Per-token state (original positions, H2O accumulators and
-// observation counts) is compacted together with K/V.
+// observation counts, allocator state, merge counts and chunk delimiters) is compacted together
+// with K/V.
+// With a merger stage (semantic, nearest), each compression folds evicted tokens into kept rows
+// before compacting (MergeArgs: the event's scores and protected tokens), every row carries
+// log(count) (log_counts()) and attend() adds it to the row's logit (proportional attention).
+// append() takes an optional per-token delimiter mask (1 where a token ends a chunk; the engine
+// builds it from token text with Policy::is_delimiter); the semantic merger then cuts chunks at
+// delimiters, and the mask it writes back (the last kept row of each chunk) is compacted with
+// the cache, so boundaries survive the eviction of the delimiter tokens themselves. Without a
+// mask, semantic uses fixed-size chunks.
+// With a quantizer stage (int2, int4, kivi), eviction comes first and the survivors are then
+// quantized: at its first compression a layer moves every head into a quant::PackedCache (packed
+// tiles + fp32 residual window) and frees its full-precision storage; later tokens are appended
+// to the packed caches and attend() reads them with quant::packed_attention (never dequantizing
+// the whole cache). A packed cache is compressed once: decode-time eviction (h2o, a
+// decode_interval) and H2O statistics (record_attention) are rejected with a quantizer, and
+// keys()/values() are unavailable for a quantized layer (packed() gives its caches).
 #pragma once
 #include <algorithm>
 #include <numeric>
@@ -17,6 +33,8 @@
 
 #include "kvpolicy/cpu/attention.hpp"
 #include "kvpolicy/policy.hpp"
+#include "kvpolicy/quant/attention.hpp"
+#include "kvpolicy/quant/packed_cache.hpp"
 
 namespace kvpolicy {
 
@@ -57,6 +75,7 @@ class Session {
     KVP_REQUIRE(cfg.q_heads > 0 && cfg.q_heads % cfg.kv_heads == 0, "session: q_heads ",
                 cfg.q_heads, " is not a positive multiple of kv_heads ", cfg.kv_heads);
     KVP_REQUIRE(cfg.initial_capacity > 0, "session: initial_capacity must be positive");
+
     cfg.budget.validate();
     if (const auto* h2o = std::get_if<H2O>(&policy_.scorer()))
       KVP_REQUIRE(h2o->reduce != GqaReduce::max,
@@ -66,6 +85,7 @@ class Session {
     KVP_REQUIRE(cfg.decode_interval >= 0, "session: decode_interval must be >= 0 (got ",
                 cfg.decode_interval, "; 0 is the policy's default)");
     if (cfg.decode_target) cfg.decode_target->validate();
+    check_quantizer(policy_, cfg_, "session");
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg.record_queries});
     layers_.resize(static_cast<std::size_t>(cfg.layers));
     for (auto& L : layers_) {
@@ -87,6 +107,9 @@ class Session {
     KVP_REQUIRE(decode_interval >= 0, "session.fork: decode_interval must be >= 0 (got ",
                 decode_interval, ")");
     if (decode_target) decode_target->validate();
+    for (const auto& L : layers_)
+      KVP_REQUIRE(!quantized(L), "session.fork: the source session is quantized; fork a "
+                  "full-precision session");
     for (const auto& L : layers_)
       for (auto len : L.lengths)
         KVP_REQUIRE(len == L.next_position, "session.fork: a layer holds ", len, " of its ",
@@ -110,6 +133,9 @@ class Session {
     out.cfg_.budget = budget;
     out.cfg_.decode_interval = decode_interval;
     out.cfg_.decode_target = decode_target;
+    // A quantized fork reads no attention statistics (packed attention does not accumulate).
+    if (out.policy_.quantizer()) out.cfg_.record_attention = false;
+    check_quantizer(out.policy_, out.cfg_, "session.fork");
     for (auto& L : out.layers_) {
       L.budgets.clear();
       L.decode_targets_set = false;
@@ -126,8 +152,9 @@ class Session {
   const SessionConfig& config() const { return cfg_; }
 
   // Appends n tokens to every KV head of `layer`. k, v: [1][Hkv][n][d]; q: [1][Hq][n][d] or empty.
+  // delimiters: empty, or n flags (nonzero: the token ends a chunk for the semantic merger).
   void append(std::int64_t layer, const KVView<const T>& k, const KVView<const T>& v,
-              const KVView<const T>& q = {}) {
+              const KVView<const T>& q = {}, std::span<const std::uint8_t> delimiters = {}) {
     Layer& L = at(layer);
     check_block(k, cfg_.kv_heads, "k");
     check_block(v, cfg_.kv_heads, "v");
@@ -144,18 +171,27 @@ class Session {
     require_finite(k, "k");
     require_finite(v, "v");
     const std::int64_t n = k.tokens;
+    KVP_REQUIRE(delimiters.empty() || static_cast<std::int64_t>(delimiters.size()) == n,
+                "session.append: ", delimiters.size(), " delimiter flags for ", n, " tokens");
+    if (!delimiters.empty()) has_delimiters_ = true;
     const std::int64_t maxlen = *std::max_element(L.lengths.begin(), L.lengths.end());
     if (maxlen + n > L.capacity) reserve(L, std::max(2 * L.capacity, maxlen + n));
+    const bool packed = quantized(L);
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h) {
       const std::int64_t len = L.lengths[static_cast<std::size_t>(h)];
+      if (packed) L.packed[static_cast<std::size_t>(h)].append(k, v, 0, h, 0, n);
       for (std::int64_t t = 0; t < n; ++t) {
-        copy_row(k, h, t, L.k.data() + (h * L.capacity + len + t) * cfg_.head_dim);
-        copy_row(v, h, t, L.v.data() + (h * L.capacity + len + t) * cfg_.head_dim);
+        if (!packed) {
+          copy_row(k, h, t, L.k.data() + (h * L.capacity + len + t) * cfg_.head_dim);
+          copy_row(v, h, t, L.v.data() + (h * L.capacity + len + t) * cfg_.head_dim);
+        }
         const auto s = static_cast<std::size_t>(h * L.capacity + len + t);
         L.positions[s] = static_cast<std::int32_t>(L.next_position + t);
         L.acc[s] = 0.f;
         L.observed[s] = 0.f;
         if (!L.credit.empty()) L.credit[s] = 0.f;
+        L.log_count[s] = 0.f;
+        L.delim[s] = delimiters.empty() ? 0 : (delimiters[static_cast<std::size_t>(t)] != 0);
       }
       L.lengths[static_cast<std::size_t>(h)] = len + n;
     }
@@ -178,6 +214,19 @@ class Session {
       args.observed = L.observed.data();
       args.state_stride = L.capacity;
       args.acc_scale = acc_scale(policy_);
+    }
+    if (policy_.merger()) {  // proportional attention: + log(count) on every row's logit
+      args.bias = L.log_count.data();
+      args.bias_stride = L.capacity;
+    }
+    if (quantized(L)) {
+      quant::PackedAttentionArgs pa;
+      pa.bias = args.bias;
+      pa.bias_stride = args.bias_stride;
+      pa.causal = true;
+      quant::packed_attention(cfg_.backend, std::span<const quant::PackedCache>(L.packed), q, pa,
+                              out);
+      return;
     }
     cpu::attention(cfg_.backend, keys(layer), values(layer), q, args, out);
   }
@@ -220,6 +269,8 @@ class Session {
   // and the current length; later calls compress back to them.
   Selection compress(std::int64_t layer) {
     Layer& L = at(layer);
+    KVP_REQUIRE(!quantized(L), "session: layer ", layer,
+                " is already quantized; a packed cache is compressed once");
     const std::int64_t H = cfg_.kv_heads, d = cfg_.head_dim;
     const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
     const bool ragged = *std::min_element(L.lengths.begin(), L.lengths.end()) != len;
@@ -256,21 +307,54 @@ class Session {
     Selection sel(1, H);
     // After the first event the per-head budgets are fixed: no layer/head re-allocation.
     const Policy& pol = L.budgets.empty() ? policy_ : fixed_policy_;
+    const bool merging = policy_.merger().has_value();
     const bool uneven = !L.budgets.empty() &&
                         *std::min_element(budgets.begin(), budgets.end()) !=
                             *std::max_element(budgets.begin(), budgets.end());
+    // Mutable views of the layer's K and V (rows [0, len) of every head).
+    KVView<T> k_mut = KVView<T>::hnd(L.k.data(), 1, H, len, d);
+    k_mut.stride_head = L.capacity * d;
+    KVView<T> v_mut = k_mut;
+    v_mut.data = L.v.data();
+    // A merger reads the event's scores and protected tokens, and only where it evicts.
+    auto merge_args = [&](const KVView<T>& k, const KVView<T>& v, const Selection& s,
+                          const ScoreMap& scores, const Protect& protect, std::int64_t h0) {
+      MergeArgs<T> a;
+      a.keys = k;
+      a.values = v;
+      a.selection = &s;
+      a.scores = &scores;
+      a.log_count = L.log_count.data() + h0 * L.capacity;
+      a.log_count_stride = L.capacity;
+      a.protect = protect;
+      if (has_delimiters_) {  // chunk_end aliases the per-row mask: it is the next event's mask
+        a.delimiter = a.chunk_end = L.delim.data() + h0 * L.capacity;
+        a.delimiter_stride = a.chunk_end_stride = L.capacity;
+      }
+      return a;
+    };
     if (!ragged && !uneven) {
-      sel = pol.select(cfg_.backend, in,
-                           Budget::total(std::accumulate(budgets.begin(), budgets.end(),
-                                                         std::int64_t{0})),
-                           EventInfo{layer, cfg_.layers, credit(L, 0), L.capacity});
+      const std::int64_t total = std::accumulate(budgets.begin(), budgets.end(), std::int64_t{0});
+      const bool evicts = total < H * len;
+      ScoreMap scores;
+      Protect protect;
+      sel = pol.select(cfg_.backend, in, Budget::total(total),
+                       EventInfo{layer, cfg_.layers, credit(L, 0), L.capacity},
+                       merging && evicts ? &scores : nullptr, &protect);
+      if (merging && evicts)
+        pol.merge(cfg_.backend, merge_args(k_mut, v_mut, sel, scores, protect, 0));
     } else {
       // Heads of different lengths or fixed per-head budgets that differ (a budget that does not
       // divide evenly, per-head allocators): each KV head, with its own query group and state, is
-      // an event of its own.
+      // an event of its own. Every head is selected before any is merged, so a failure leaves
+      // the cache as it was.
       const std::int64_t g = cfg_.q_heads / H;
+      std::vector<Selection> one_sel(static_cast<std::size_t>(H));
+      std::vector<ScoreMap> one_scores(merging ? static_cast<std::size_t>(H) : 0);
+      std::vector<Protect> one_protect(static_cast<std::size_t>(H));
       for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t n = L.lengths[static_cast<std::size_t>(h)];
+        const auto hs = static_cast<std::size_t>(h);
+        const std::int64_t n = L.lengths[hs];
         Inputs<T> one = in;
         one.keys = head_view(in.keys, h, n);
         one.values = head_view(in.values, h, n);
@@ -280,10 +364,23 @@ class Session {
         }
         one.accumulated = in.accumulated + h * L.capacity;
         one.observed = in.observed + h * L.capacity;
-        sel.kept(0, h) = pol.select(cfg_.backend, one,
-                                        Budget::total(budgets[static_cast<std::size_t>(h)]),
-                                        EventInfo{layer, cfg_.layers, credit(L, h), L.capacity})
-                             .kept(0, 0);
+        const bool evicts = budgets[hs] < n;
+        one_sel[hs] = pol.select(cfg_.backend, one, Budget::total(budgets[hs]),
+                                 EventInfo{layer, cfg_.layers, credit(L, h), L.capacity},
+                                 merging && evicts ? &one_scores[hs] : nullptr, &one_protect[hs]);
+      }
+      for (std::int64_t h = 0; h < H; ++h) {
+        const auto hs = static_cast<std::size_t>(h);
+        const std::int64_t n = L.lengths[hs];
+        if (merging && one_sel[hs].count(0, 0) < n) {
+          KVView<T> kh = k_mut, vh = v_mut;
+          kh.data += h * L.capacity * d, vh.data += h * L.capacity * d;
+          kh.heads = vh.heads = 1;
+          kh.tokens = vh.tokens = n;
+          pol.merge(cfg_.backend, merge_args(kh, vh, one_sel[hs], one_scores[hs],
+                                             one_protect[hs], h));
+        }
+        sel.kept(0, h) = std::move(one_sel[hs].kept(0, 0));
       }
     }
     if (L.budgets.empty()) {
@@ -300,18 +397,28 @@ class Session {
     }
     L.budgets = std::move(budgets);
     L.since = 0;
-    const KVView<T> kv = KVView<T>::hnd(L.k.data(), 1, cfg_.kv_heads, len, cfg_.head_dim);
-    KVView<T> k_mut = kv, v_mut = kv;
-    k_mut.stride_head = v_mut.stride_head = L.capacity * cfg_.head_dim;
-    v_mut.data = L.v.data();
     cpu::compact(cfg_.backend, k_mut, sel);
     cpu::compact(cfg_.backend, v_mut, sel);
     cpu::compact_state(cfg_.backend, L.positions.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.acc.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.observed.data(), 0, L.capacity, sel);
     if (!L.credit.empty()) cpu::compact_state(cfg_.backend, L.credit.data(), 0, L.capacity, sel);
+    cpu::compact_state(cfg_.backend, L.log_count.data(), 0, L.capacity, sel);
+    cpu::compact_state(cfg_.backend, L.delim.data(), 0, L.capacity, sel);
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       L.lengths[static_cast<std::size_t>(h)] = sel.count(0, h);
+    if (const auto qc = policy_.quant_config()) {
+      // Eviction first, then the survivors go into packed caches; fp storage is released.
+      std::vector<quant::PackedCache> packed;
+      for (std::int64_t h = 0; h < H; ++h) {
+        packed.emplace_back(*qc, d, policy_.quantizer_name());
+        packed.back().append(KVView<const T>(k_mut), KVView<const T>(v_mut), 0, h, 0,
+                             L.lengths[static_cast<std::size_t>(h)]);
+      }
+      L.packed = std::move(packed);
+      std::vector<T>().swap(L.k);
+      std::vector<T>().swap(L.v);
+    }
     return sel;
   }
 
@@ -327,8 +434,19 @@ class Session {
   std::int64_t capacity(std::int64_t layer) const { return at(layer).capacity; }
 
   // One-layer views over the storage; tokens = capacity, valid rows per head = lengths(l)[h].
-  KVView<const T> keys(std::int64_t layer) const { return view(at(layer), at(layer).k); }
-  KVView<const T> values(std::int64_t layer) const { return view(at(layer), at(layer).v); }
+  // Not for a quantized layer (see packed()).
+  KVView<const T> keys(std::int64_t layer) const { return view(at(layer), at(layer).k, layer); }
+  KVView<const T> values(std::int64_t layer) const { return view(at(layer), at(layer).v, layer); }
+  // True once `layer` holds packed caches (a policy with a quantizer, after its compression).
+  bool quantized(std::int64_t layer) const { return quantized(at(layer)); }
+  // The packed cache of (layer, head) of a quantized layer.
+  const quant::PackedCache& packed(std::int64_t layer, std::int64_t head) const {
+    const Layer& L = at(layer);
+    KVP_REQUIRE(quantized(L), "session: layer ", layer, " is not quantized");
+    KVP_REQUIRE(head >= 0 && head < cfg_.kv_heads, "session: head ", head, " is outside [0, ",
+                cfg_.kv_heads, ")");
+    return L.packed[static_cast<std::size_t>(head)];
+  }
   std::span<const std::int64_t> lengths(std::int64_t layer) const { return at(layer).lengths; }
   std::int64_t length(std::int64_t layer, std::int64_t head) const {
     return at(layer).lengths.at(static_cast<std::size_t>(head));
@@ -353,13 +471,30 @@ class Session {
     return {L.credit.data() + head * L.capacity,
             static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
   }
+  // log(count) of the kept rows of (layer, head): how many tokens each stands for after merging
+  // (0 for a token that stands for itself).
+  std::span<const float> log_counts(std::int64_t layer, std::int64_t head) const {
+    const Layer& L = at(layer);
+    return {L.log_count.data() + head * L.capacity,
+            static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
+  }
+  // Chunk-delimiter flags of the kept rows of (layer, head) (see append()).
+  std::span<const std::uint8_t> delimiters(std::int64_t layer, std::int64_t head) const {
+    const Layer& L = at(layer);
+    return {L.delim.data() + head * L.capacity,
+            static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
+  }
   // Per-head token budgets fixed at the first compression (empty before it).
   std::span<const std::int64_t> budgets(std::int64_t layer) const { return at(layer).budgets; }
-  // Bytes of K and V held by valid tokens (what a tight allocator would need).
+  // Bytes of K and V held by valid tokens (what a tight allocator would need); for a quantized
+  // layer, its packed caches' bytes (tiles, scales, norms and the fp32 residual window).
   std::size_t kv_bytes() const {
     std::size_t n = 0;
     for (const auto& L : layers_)
-      for (auto len : L.lengths) n += static_cast<std::size_t>(len) * cfg_.head_dim * 2 * sizeof(T);
+      if (quantized(L))
+        for (const auto& p : L.packed) n += p.memory_bytes();
+      else
+        for (auto len : L.lengths) n += static_cast<std::size_t>(len) * cfg_.head_dim * 2 * sizeof(T);
     return n;
   }
 
@@ -374,12 +509,32 @@ class Session {
     std::vector<std::int32_t> positions;
     std::vector<float> acc, observed;
     std::vector<float> credit;  // allocator state (AMS credit), when the policy keeps one
+    std::vector<float> log_count;      // merge counts, log(tokens a row stands for)
+    std::vector<std::uint8_t> delim;   // 1: the row ends a chunk (semantic merger)
+    std::vector<quant::PackedCache> packed;  // per KV head once quantized (k, v then empty)
     std::vector<std::int64_t> lengths, budgets;
   };
 
   // Head h's allocator state row (stride: capacity), or null for stateless policies.
   static float* credit(Layer& L, std::int64_t h) {
     return L.credit.empty() ? nullptr : L.credit.data() + h * L.capacity;
+  }
+
+  static bool quantized(const Layer& L) { return !L.packed.empty(); }
+
+  // What a quantizer stage requires of the session: a head_dim its format supports, and no
+  // compression or statistics after the cache is packed.
+  static void check_quantizer(const Policy& p, const SessionConfig& c, const char* who) {
+    const auto qc = p.quant_config();
+    if (!qc) return;
+    quant::validate(*qc, c.head_dim, std::string(who) + ": " + p.quantizer_name());
+    KVP_REQUIRE(!p.decode_time() && c.decode_interval == 0, who, ": policy '", p.spec(),
+                "' quantizes the cache after its prefill compression and cannot evict from "
+                "packed tiles later; decode-time compression (",
+                p.decode_time() ? "h2o evicts at every step" : "decode_interval > 0",
+                ") is not supported with a quantizer");
+    KVP_REQUIRE(!c.record_attention, who, ": policy '", p.spec(),
+                "': packed attention does not accumulate H2O statistics (record_attention)");
   }
 
   bool tracks_attention() const {
@@ -409,7 +564,9 @@ class Session {
     return out;
   }
 
-  KVView<const T> view(const Layer& L, const std::vector<T>& buf) const {
+  KVView<const T> view(const Layer& L, const std::vector<T>& buf, std::int64_t layer) const {
+    KVP_REQUIRE(!quantized(L), "session: layer ", layer,
+                " is quantized; its keys and values live in packed caches (packed(layer, head))");
     KVView<const T> v = KVView<const T>::hnd(buf.data(), 1, cfg_.kv_heads, L.capacity,
                                              cfg_.head_dim);
     return v;
@@ -436,11 +593,15 @@ class Session {
                     next.begin() + h * cap * row);
       vec.swap(next);
     };
-    regrow(L.k, d);
-    regrow(L.v, d);
+    if (!quantized(L)) {
+      regrow(L.k, d);
+      regrow(L.v, d);
+    }
     regrow(L.positions, 1);
     regrow(L.acc, 1);
     regrow(L.observed, 1);
+    regrow(L.log_count, 1);
+    regrow(L.delim, 1);
     if (policy_.alloc_state()) {
       if (L.credit.empty() && L.capacity > 0)
         L.credit.assign(static_cast<std::size_t>(H * L.capacity), 0.f);
@@ -468,6 +629,7 @@ class Session {
   Policy fixed_policy_;  // policy_ without layer/head allocators: events after the first
   SessionConfig cfg_;
   std::int64_t window_ = 0;
+  bool has_delimiters_ = false;  // some append() passed delimiter flags
   std::vector<Layer> layers_;
 };
 

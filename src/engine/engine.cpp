@@ -70,6 +70,17 @@ void rms_norm(const Matrix& x, const Vector& weight, float eps, Matrix& out) {
   }
 }
 
+// Which vocabulary entries end a chunk for `policy`'s semantic merger (its delimiter set, or the
+// default one), from each token's decoded text.
+std::vector<std::uint8_t> delimiter_table(const Model& m, const Policy& policy) {
+  const auto vocab = m.config().n_vocab;
+  std::vector<std::uint8_t> t(static_cast<std::size_t>(vocab), 0);
+  for (std::int32_t id = 0; id < vocab; ++id)
+    t[static_cast<std::size_t>(id)] =
+        policy.is_delimiter(m.tokenizer().decode(std::span<const std::int32_t>(&id, 1))) ? 1 : 0;
+  return t;
+}
+
 }  // namespace
 
 SessionConfig Engine::session_config(const Model& m, const EngineConfig& c) {
@@ -94,7 +105,9 @@ Engine::Engine(const Engine& src, EngineConfig cfg, Session<float> session)
       position_(src.position_),
       last_logits_(src.last_logits_),
       inv_freq_(src.inv_freq_),
-      capture_(src.capture_) {}
+      capture_(src.capture_),
+      delimiter_table_(src.delimiter_table_),
+      delimiter_set_(src.delimiter_set_) {}
 
 Engine Engine::fork(const std::string& policy, Budget budget, std::int64_t decode_interval,
                     std::optional<Budget> decode_target) const {
@@ -103,8 +116,12 @@ Engine Engine::fork(const std::string& policy, Budget budget, std::int64_t decod
   cfg.budget = budget;
   cfg.decode_interval = decode_interval;
   cfg.decode_target = decode_target;
-  return Engine(*this, cfg,
-                session_.fork(Policy(policy), budget, decode_interval, decode_target));
+  Policy p(policy);
+  // The session's delimiter flags were computed with this engine's set when the tokens went in.
+  KVP_REQUIRE(p.delimiter_set() == delimiter_set_, "engine.fork: policy '", policy,
+              "' cuts chunks at other delimiters than the ones this engine recorded; run the "
+              "full-cache engine with the same semantic(delimiters=...)");
+  return Engine(*this, cfg, session_.fork(std::move(p), budget, decode_interval, decode_target));
 }
 
 void Engine::compress_now() {
@@ -117,6 +134,9 @@ Engine::Engine(const Model& model, EngineConfig cfg)
       session_(Policy(cfg_.policy), session_config(model, cfg_)) {
   KVP_REQUIRE(cfg_.prefill_chunk > 0, "engine: prefill_chunk must be positive (got ",
               cfg_.prefill_chunk, ")");
+  delimiter_set_ = session_.policy().delimiter_set();
+  delimiter_table_ = std::make_shared<const std::vector<std::uint8_t>>(
+      delimiter_table(model, session_.policy()));
   // RoPE frequencies as Hugging Face computes them (fp32): base^(-2i/d), optionally divided by
   // per-frequency factors (Llama 3.1 style rope_freqs).
   const std::int64_t d = model.config().head_dim;
@@ -171,6 +191,13 @@ void Engine::forward_multi(std::span<Engine* const> es,
     for (std::size_t i = 0; i < toks[s].size(); ++i)
       x.row(row0[s] + static_cast<std::int64_t>(i)) = w.token_embd.row(toks[s][i]);
 
+  // Chunk-delimiter flags of every row (semantic merger), from each engine's table.
+  std::vector<std::uint8_t> delim(static_cast<std::size_t>(rows));
+  for (std::size_t s = 0; s < es.size(); ++s)
+    for (std::size_t i = 0; i < toks[s].size(); ++i)
+      delim[static_cast<std::size_t>(row0[s]) + i] =
+          (*es[s]->delimiter_table_)[static_cast<std::size_t>(toks[s][i])];
+
   // cos/sin of every (row, frequency), fp32 angles like Hugging Face, at each sequence's own
   // positions.
   std::vector<float> cs(static_cast<std::size_t>(rows * half)), sn(cs.size());
@@ -217,7 +244,8 @@ void Engine::forward_multi(std::span<Engine* const> es,
       const auto kv = KVView<const float>::nhd(e0.k_.data() + r0 * Hkv * d, 1, Hkv, n, d);
       const auto vv = KVView<const float>::nhd(e0.v_.data() + r0 * Hkv * d, 1, Hkv, n, d);
       if (e.capture_) e.capture_(LayerCapture{l, e.position_, qv, kv, vv});
-      e.session_.append(l, kv, vv, qv);
+      e.session_.append(l, kv, vv, qv,
+                        std::span<const std::uint8_t>(delim.data() + r0, static_cast<std::size_t>(n)));
       e.attn_hnd_.resize(static_cast<std::size_t>(Hq * n * d));
       e.session_.attend(l, qv, e.attn_hnd_.data());
       if (evict_after_each_layer) e.session_.compress_if_due(l);

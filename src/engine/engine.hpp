@@ -7,6 +7,7 @@
 // GEMV for single tokens. Greedy decoding and teacher forcing for the accuracy benchmark.
 #pragma once
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -113,6 +114,10 @@ class Engine {
   std::vector<float> last_logits_;
   std::vector<float> inv_freq_;
   std::function<void(const LayerCapture&)> capture_;
+  // Per vocabulary id: 1 if the token's text ends a chunk for the semantic merger, under the
+  // delimiter set it was built for (the policy's; shared by forks).
+  std::shared_ptr<const std::vector<std::uint8_t>> delimiter_table_;
+  std::string delimiter_set_;
   // Scratch, reused across calls.
   Matrix x_, xn_, q_, k_, v_, attn_, gate_, up_, hidden_;
   std::vector<float> attn_hnd_;

@@ -1,0 +1,154 @@
+// Session with a quantizer stage: eviction first, then the survivors are packed; attention over
+// the packed caches (with merge counts) equals attention over their dequantized form; decode
+// appends flush through the residual window; what a packed cache cannot do is rejected.
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include <kvpolicy/kvpolicy.hpp>
+
+#include "common/random.hpp"
+#include "ops/naive.hpp"
+
+using kvpolicy::Budget;
+using kvpolicy::KVView;
+using kvpolicy::Policy;
+using kvpolicy::Session;
+using kvpolicy::SessionConfig;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr std::int64_t kHkv = 2, kHq = 4, kD = 64;
+
+SessionConfig quant_config(Budget b, std::int64_t head_dim = kD) {
+  SessionConfig c;
+  c.layers = 1;
+  c.kv_heads = kHkv;
+  c.q_heads = kHq;
+  c.head_dim = head_dim;
+  c.budget = b;
+  c.initial_capacity = 16;
+  c.backend = kvpolicy::cpu_backend{2};
+  return c;
+}
+
+struct Tokens {
+  std::int64_t S;
+  std::vector<float> k, v, q;
+  KVView<const float> view(const std::vector<float>& b, std::int64_t heads, std::int64_t t0,
+                           std::int64_t n) const {
+    return {b.data() + t0 * kD, 1, heads, n, kD, heads * S * kD, S * kD, kD, 1};
+  }
+  KVView<const float> K(std::int64_t t0, std::int64_t n) const { return view(k, kHkv, t0, n); }
+  KVView<const float> V(std::int64_t t0, std::int64_t n) const { return view(v, kHkv, t0, n); }
+  KVView<const float> Q(std::int64_t t0, std::int64_t n) const { return view(q, kHq, t0, n); }
+};
+
+Tokens random_tokens(std::int64_t S, std::uint64_t seed) {
+  kvtest::Rng rng(seed);
+  return {S, rng.normals<float>(kHkv * S * kD), rng.normals<float>(kHkv * S * kD),
+          rng.normals<float>(kHq * S * kD)};
+}
+
+// Attention of q over the session's packed caches dequantized, with its log-count bias (fp64).
+std::vector<double> dequantized_attention(const Session<float>& s, const KVView<const float>& q) {
+  std::int64_t cap = 0;
+  for (std::int64_t h = 0; h < kHkv; ++h) cap = std::max(cap, s.length(0, h));
+  std::vector<float> k(static_cast<std::size_t>(kHkv * cap * kD)), v(k.size()),
+      bias(static_cast<std::size_t>(kHkv * cap), 0.f);
+  std::vector<std::int64_t> lengths;
+  for (std::int64_t h = 0; h < kHkv; ++h) {
+    const auto& p = s.packed(0, h);
+    REQUIRE(p.size() == s.length(0, h));
+    p.decode(k.data() + h * cap * kD, v.data() + h * cap * kD);
+    const auto lc = s.log_counts(0, h);
+    std::copy(lc.begin(), lc.end(), bias.begin() + h * cap);
+    lengths.push_back(s.length(0, h));
+  }
+  const auto kv = KVView<const float>::hnd(k.data(), 1, kHkv, cap, kD);
+  const auto vv = KVView<const float>::hnd(v.data(), 1, kHkv, cap, kD);
+  return kvtest::naive_attention(kv, vv, q, lengths, true, bias.data(), cap);
+}
+
+}  // namespace
+
+TEST_CASE("Session quantizer: evict, then pack the survivors; attention reads the packed form",
+          "[session][quant]") {
+  const std::int64_t S = 150, steps = 45;
+  const Tokens t = random_tokens(S + steps, 21);
+  for (const char* spec : {"snapkv(window=8) | int2(residual=32)",
+                           "snapkv(window=8) | semantic(tau=0.3) | int4(residual=16)",
+                           "snapkv(window=8) | adakv | kivi(residual=0)"}) {
+    CAPTURE(spec);
+    Session<float> q(Policy(spec), quant_config(Budget::ratio(0.4)));
+    // The same eviction without the quantizer (and without the merger: positions only).
+    Session<float> fp(Policy("snapkv(window=8)" + std::string(std::string_view(spec).find("adakv") !=
+                                                                      std::string_view::npos
+                                                                  ? " | adakv"
+                                                                  : "")),
+                      quant_config(Budget::ratio(0.4)));
+    for (auto* s : {&q, &fp}) {
+      s->append(0, t.K(0, S), t.V(0, S), t.Q(0, S));
+      CHECK_FALSE(s->quantized(0));
+      s->compress_if_due(0);
+    }
+    REQUIRE(q.quantized(0));
+    CHECK_FALSE(fp.quantized(0));
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      const auto a = q.positions(0, h), b = fp.positions(0, h);
+      CHECK(std::vector<std::int32_t>(a.begin(), a.end()) ==
+            std::vector<std::int32_t>(b.begin(), b.end()));
+      CHECK(q.packed(0, h).size() == q.length(0, h));
+    }
+    CHECK(q.kv_bytes() < fp.kv_bytes());
+    CHECK_THROWS_WITH(q.keys(0), Contains("quantized"));
+    CHECK_THROWS_WITH(q.compress(0), Contains("already quantized"));
+    // Decode: tokens go into the packed caches (through the residual window) one at a time.
+    for (std::int64_t i = 0; i < steps; ++i) {
+      q.append(0, t.K(S + i, 1), t.V(S + i, 1), t.Q(S + i, 1));
+      CHECK_FALSE(q.compress_if_due(0));
+      if (i % 11 != 0 && i != steps - 1) continue;
+      std::vector<float> out(kHq * kD);
+      q.attend(0, t.Q(S + i, 1), out.data());
+      const auto ref = dequantized_attention(q, t.Q(S + i, 1));
+      // Packed attention decodes the same tiles in fp32 and folds them with an online softmax;
+      // against the fp64 reference over the same dequantized rows, only fp32 rounding differs.
+      CHECK(kvtest::max_rel_err(out, ref) < 1e-4);
+    }
+    for (std::int64_t h = 0; h < kHkv; ++h) {
+      CHECK(q.packed(0, h).size() == q.length(0, h));
+      CHECK(q.positions(0, h).back() == S + steps - 1);
+    }
+  }
+}
+
+TEST_CASE("Session quantizer: what a packed cache cannot do is rejected", "[session][quant]") {
+  CHECK_THROWS_WITH(Session<float>(Policy("h2o | int2"), quant_config(Budget::ratio(0.5))),
+                    Contains("h2o evicts at every step"));
+  SessionConfig c = quant_config(Budget::ratio(0.5));
+  c.decode_interval = 8;
+  CHECK_THROWS_WITH(Session<float>(Policy("snapkv | int2"), c), Contains("decode_interval > 0"));
+  c = quant_config(Budget::ratio(0.5));
+  c.record_attention = true;
+  CHECK_THROWS_WITH(Session<float>(Policy("snapkv | int2"), c), Contains("record_attention"));
+  CHECK_THROWS_WITH(Session<float>(Policy("snapkv | int2"), quant_config(Budget::ratio(0.5), 96)),
+                    Contains("power of two"));
+  CHECK_THROWS_WITH(Session<float>(Policy("snapkv | kivi"), quant_config(Budget::ratio(0.5), 48)),
+                    Contains("does not divide head_dim 48"));
+
+  // Fork: a recorded full-cache session forks into a quantizing policy (and not the other way).
+  const Tokens t = random_tokens(80, 5);
+  SessionConfig rc = quant_config(Budget::ratio(1.0));
+  rc.record_queries = 32;
+  rc.record_attention = true;
+  Session<float> full(Policy("streaming"), rc);
+  full.append(0, t.K(0, 80), t.V(0, 80), t.Q(0, 80));
+  Session<float> f = full.fork(Policy("snapkv(window=32) | int2"), Budget::ratio(0.5));
+  f.compress_if_due(0);
+  CHECK(f.quantized(0));
+  CHECK(f.length(0, 0) == 40);
+  CHECK_THROWS_WITH(f.fork(Policy("snapkv"), Budget::ratio(0.5)), Contains("quantized"));
+  CHECK_THROWS_WITH(full.fork(Policy("snapkv(window=32) | int2"), Budget::ratio(0.5), 4),
+                    Contains("decode_interval > 0"));
+}
