@@ -121,6 +121,7 @@ struct Result {
   double ratio = 0;          // median over iterations of ref / subject wall time (paired)
   double cpu_ratio = 0;      // the same with process CPU time
   double work = 0;           // bytes or flops per iteration (for rates)
+  double aux = 0;            // a figure of the benchmark's own the report shows (0: none)
   int iterations = 0;
 };
 
@@ -218,10 +219,21 @@ void time_pair(benchmark::State& state, const std::string& key, double work, Set
   state.counters["cpu_ratio"] = r.cpu_ratio;
 }
 
+// Evicts the caches by reading 3x the L3 size (32 MiB here), so that the next call starts from
+// DRAM, as a decode step finds a layer's cache after the other layers have run.
+inline void flush_caches() {
+  static std::vector<std::uint64_t> junk(std::size_t{96} << 17, 1);  // 96 MiB
+  std::uint64_t s = 0;
+  for (std::size_t i = 0; i < junk.size(); i += 8) s += junk[i];
+  benchmark::DoNotOptimize(s);
+}
+
 // Registration hooks, called from main in report order.
 void register_snapkv();
 void register_h2o();
 void register_compact();
 void register_alloc();
+void register_merge();
+void register_quant();
 
 }  // namespace kvbench

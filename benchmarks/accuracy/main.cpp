@@ -85,6 +85,11 @@ engine. Prints markdown tables, writes <out>/results.json and PNG plots (<out>/*
                          allocators  snapkv and h2o, each alone and with pyramid, depthkv
                                      (bundled profile), adakv, ams; passkey grid at 2048 and
                                      fidelity at 10/20/30%; no decode or throughput section
+                         mergers     snapkv and h2o: eviction only, nearest, semantic(tau=0.9),
+                                     semantic(tau=0.5); snapkv | ams | semantic; passkey grid,
+                                     fidelity and decode-time task; no throughput section
+                         quant       snapkv alone and with int4, kivi (2-bit), int2, at 20% and
+                                     100% (no eviction); passkey grid and fidelity
   --budgets LIST       kept fraction of the prompt, comma-separated (default 0.1,0.2,0.3)
   --lengths LIST       passkey prompt lengths in tokens for the full-cache curve
                        (default 1024,2048,4096,8192)
@@ -145,16 +150,32 @@ Options parse_args(int argc, char** argv) {
     if (a == "--suite") {
       KVP_REQUIRE(i + 1 < argc, "--suite needs a value (see --help)");
       const std::string suite = argv[i + 1];
-      KVP_REQUIRE(suite == "allocators", "--suite: unknown suite '", suite, "' (allocators)");
+      KVP_REQUIRE(suite == "allocators" || suite == "mergers" || suite == "quant",
+                  "--suite: unknown suite '", suite, "' (allocators, mergers, quant)");
       o.policies.clear();
-      for (const char* scorer : {"snapkv", "h2o"})
-        for (const char* chain :
-             {"", " | pyramid", " | depthkv(profile=" KVPOLICY_PROFILE_DIR
-                  "/SmolLM2-135M-Instruct.snapkv-0.2.json)",
-              " | adakv", " | ams"})
-          o.policies.push_back(std::string(scorer) + chain);
+      if (suite == "allocators") {
+        for (const char* scorer : {"snapkv", "h2o"})
+          for (const char* chain :
+               {"", " | pyramid", " | depthkv(profile=" KVPOLICY_PROFILE_DIR
+                    "/SmolLM2-135M-Instruct.snapkv-0.2.json)",
+                " | adakv", " | ams"})
+            o.policies.push_back(std::string(scorer) + chain);
+        o.skip = {"decode", "throughput"};
+      } else if (suite == "quant") {
+        for (const char* q : {"", " | int4", " | kivi", " | int2"})
+          o.policies.push_back(std::string("snapkv") + q);
+        o.budgets = {0.2, 1.0};
+        o.skip = {"decode", "throughput"};
+      } else {
+        for (const char* scorer : {"snapkv", "h2o"})
+          for (const char* merger : {"", " | nearest", " | semantic(tau=0.9)",
+                                     " | semantic(tau=0.5)"})
+            o.policies.push_back(std::string(scorer) + merger);
+        o.policies.push_back("snapkv | ams | semantic(tau=0.9)");
+        o.skip = {"throughput"};
+      }
+      o.decode_policies.clear();
       o.lengths = {o.grid_length};
-      o.skip = {"decode", "throughput"};
     }
   }
   if (quick) {
@@ -563,11 +584,18 @@ std::vector<ThroughputRow> run_throughput(const Model& m, const Options& o,
       row.kv_bytes = static_cast<std::int64_t>(e.session().kv_bytes());
       rows.push_back(row);
     }
-    {
-      Engine e = full->fork(o.throughput_policy, Budget::ratio(o.throughput_budget));
+    // Budgeted rows: the throughput policy at its budget, then the quantized cache alone and
+    // combined with that eviction.
+    std::vector<std::pair<std::string, double>> budgeted = {
+        {o.throughput_policy, o.throughput_budget},
+        {"streaming | int2", 1.0},
+        {o.throughput_policy + " | int2", o.throughput_budget}};
+    for (const auto& [policy, budget] : budgeted) {
+      Engine e = full->fork(policy, Budget::ratio(budget));
       const double c = seconds([&] { e.compress_now(); });
       e.session().shrink_to_fit();
-      ThroughputRow row{L, fmt("%s @ %.0f%%", o.throughput_policy.c_str(), o.throughput_budget * 100),
+      ThroughputRow row{L, budget < 1.0 ? fmt("%s @ %.0f%%", policy.c_str(), budget * 100)
+                                        : policy + " (no eviction)",
                         static_cast<double>(prefill_tokens) / (prefill_s + c), c * 1e3, 0, 0};
       row.decode_tps = decode_rate(e);
       row.kv_bytes = static_cast<std::int64_t>(e.session().kv_bytes());
@@ -736,8 +764,10 @@ int main(int argc, char** argv) {
     }
     if (!thr.empty()) {
       md << "## Throughput\n\nPrefill (chunks of 512 tokens) and greedy decode on this machine; "
-            "the budgeted row's prefill includes its compression. KV MiB: bytes of K and V "
-            "held (fp32).\n\n";
+            "a compressed row's prefill includes its compression (and, with int2, the packing "
+            "of the survivors; int2 = 2-bit rotated codes, 32-token groups, the newest 128 "
+            "tokens in fp32). KV MiB: bytes of K and V held (fp32, or packed tiles + scales + "
+            "norms + residual window).\n\n";
       std::vector<std::vector<std::string>> rows;
       for (const auto& t : thr)
         rows.push_back({std::to_string(t.context), t.config, fmt("%.0f", t.prefill_tps),
