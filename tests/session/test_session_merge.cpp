@@ -9,7 +9,7 @@
 
 #include <kvpolicy/kvpolicy.hpp>
 
-#include "common/random.hpp"
+#include "session/layer_tokens.hpp"
 
 using kvpolicy::Budget;
 using kvpolicy::KVView;
@@ -22,36 +22,10 @@ namespace {
 
 constexpr std::int64_t kHkv = 2, kG = 2, kHq = kHkv * kG, kD = 8;
 
-SessionConfig merge_config(Budget b) {
-  SessionConfig c;
-  c.layers = 1;
-  c.kv_heads = kHkv;
-  c.q_heads = kHq;
-  c.head_dim = kD;
-  c.budget = b;
-  c.initial_capacity = 8;
-  c.backend = kvpolicy::cpu_backend{1};
-  return c;
-}
+SessionConfig merge_config(Budget b) { return kvtest::one_layer_config(kHkv, kHq, kD, b, 1); }
 
-// Tokens of one layer, [heads][S][d] each, token-major slices as [1][heads][n][d] views.
-struct Tokens {
-  std::int64_t S;
-  std::vector<float> k, v, q;
-  KVView<const float> view(const std::vector<float>& b, std::int64_t heads, std::int64_t t0,
-                           std::int64_t n) const {
-    return {b.data() + t0 * kD, 1, heads, n, kD, heads * S * kD, S * kD, kD, 1};
-  }
-  KVView<const float> K(std::int64_t t0, std::int64_t n) const { return view(k, kHkv, t0, n); }
-  KVView<const float> V(std::int64_t t0, std::int64_t n) const { return view(v, kHkv, t0, n); }
-  KVView<const float> Q(std::int64_t t0, std::int64_t n) const { return view(q, kHq, t0, n); }
-};
-
-Tokens random_tokens(std::int64_t S, std::uint64_t seed) {
-  kvtest::Rng rng(seed);
-  return {S, rng.normals<float>(kHkv * S * kD), rng.normals<float>(kHkv * S * kD),
-          rng.normals<float>(kHq * S * kD)};
-}
+using Tokens = kvtest::LayerTokens<kHkv, kHq, kD>;
+Tokens random_tokens(std::int64_t S, std::uint64_t seed) { return Tokens(S, seed); }
 
 double count_sum(const Session<float>& s, std::int64_t h) {
   double n = 0;

@@ -7,7 +7,7 @@
 
 #include <kvpolicy/kvpolicy.hpp>
 
-#include "common/random.hpp"
+#include "session/layer_tokens.hpp"
 #include "ops/naive.hpp"
 
 using kvpolicy::Budget;
@@ -22,34 +22,11 @@ namespace {
 constexpr std::int64_t kHkv = 2, kHq = 4, kD = 64;
 
 SessionConfig quant_config(Budget b, std::int64_t head_dim = kD) {
-  SessionConfig c;
-  c.layers = 1;
-  c.kv_heads = kHkv;
-  c.q_heads = kHq;
-  c.head_dim = head_dim;
-  c.budget = b;
-  c.initial_capacity = 16;
-  c.backend = kvpolicy::cpu_backend{2};
-  return c;
+  return kvtest::one_layer_config(kHkv, kHq, head_dim, b, 2);
 }
 
-struct Tokens {
-  std::int64_t S;
-  std::vector<float> k, v, q;
-  KVView<const float> view(const std::vector<float>& b, std::int64_t heads, std::int64_t t0,
-                           std::int64_t n) const {
-    return {b.data() + t0 * kD, 1, heads, n, kD, heads * S * kD, S * kD, kD, 1};
-  }
-  KVView<const float> K(std::int64_t t0, std::int64_t n) const { return view(k, kHkv, t0, n); }
-  KVView<const float> V(std::int64_t t0, std::int64_t n) const { return view(v, kHkv, t0, n); }
-  KVView<const float> Q(std::int64_t t0, std::int64_t n) const { return view(q, kHq, t0, n); }
-};
-
-Tokens random_tokens(std::int64_t S, std::uint64_t seed) {
-  kvtest::Rng rng(seed);
-  return {S, rng.normals<float>(kHkv * S * kD), rng.normals<float>(kHkv * S * kD),
-          rng.normals<float>(kHq * S * kD)};
-}
+using Tokens = kvtest::LayerTokens<kHkv, kHq, kD>;
+Tokens random_tokens(std::int64_t S, std::uint64_t seed) { return Tokens(S, seed); }
 
 // Attention of q over the session's packed caches dequantized, with its log-count bias (fp64).
 std::vector<double> dequantized_attention(const Session<float>& s, const KVView<const float>& q) {
