@@ -37,6 +37,19 @@ TEST_CASE("depthkv: budgets in proportion to sensitivity, by hand", "[allocators
   CHECK(run(profile({1, 3}), 2, 1000, 100, {}, 2) == std::vector<std::int64_t>{50, 50, 150, 150});
 }
 
+TEST_CASE("depthkv: power tempers the profile, by hand", "[allocators][depthkv]") {
+  DepthKV d = profile({1, 4, 9, 16});
+  d.power = 0.5;  // weights 1, 2, 3, 4: 4 * 100 * w / 10
+  CHECK(run(d, 4, 1000, 100, {}) == std::vector<std::int64_t>{40, 80, 120, 160});
+  d.power = 0.0;  // uniform, zero sensitivities included
+  CHECK(run(d, 4, 1000, 100, {}) == std::vector<std::int64_t>(4, 100));
+  DepthKV z = profile({0, 2});
+  z.power = 0.0;
+  CHECK(run(z, 2, 1000, 100, {}) == std::vector<std::int64_t>{100, 100});
+  z.power = 2.0;  // weights 0, 4
+  CHECK(run(z, 2, 1000, 100, {}) == std::vector<std::int64_t>{0, 200});
+}
+
 TEST_CASE("depthkv: clipping at T and at B_min is redistributed exactly", "[allocators][depthkv]") {
   // T = 150: raw 50, 50, 50, 250 -> layer 3 clipped to 150; its 100 excess goes to the others:
   // 83.33 each -> 84, 83, 83 (the unit lost to rounding goes to the first), sum 400.
@@ -136,6 +149,11 @@ TEST_CASE("depthkv: spec parameters", "[allocators][depthkv][spec]") {
   CHECK(d.layers == 3);
   CHECK(d.sensitivity[1] == 0.5f);
   CHECK(d.min_tokens == 70);
+  CHECK(d.power == 1.0);
+  CHECK(std::get<DepthKV>(Policy("snapkv | depthkv(weights=1:2, power=0.5)").allocators().at(0))
+            .power == 0.5);
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:2, power=-1)"),
+                      Contains("depthkv: power must be >= 0"));
   REQUIRE_THROWS_WITH(Policy("snapkv | depthkv"), Contains("give exactly one of 'profile'"));
   REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:2, profile=a.json)"),
                       Contains("give exactly one of 'profile'"));

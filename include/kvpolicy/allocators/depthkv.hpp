@@ -13,6 +13,9 @@
 //   model's layer count (EventInfo::model_layers; the event's own layers when absent).
 // - Spec: depthkv(profile=path.json) reads the file when the policy is built; weights=a:b:c gives
 //   the values inline (colon-separated, for tests and quick experiments). One of them is required.
+// - power=p (default 1, the rule above) splits in proportion to s_l^p instead: p < 1 tempers a
+//   profile whose values span orders of magnitude (the bundled SmolLM2 profile spans 115x, and
+//   the proportional rule then starves its least sensitive layers), p = 0 is uniform.
 // - Each KV head is split on its own; see alloc::split_across_layers for what one-layer events
 //   conserve. The allocator holds the profile in a fixed array (kMaxLayers) so that it stays a
 //   trivially copyable value.
@@ -37,6 +40,7 @@ struct DepthKV {
   std::array<float, kMaxLayers> sensitivity{};
   std::int64_t layers = 0;       // entries of `sensitivity` in use
   std::int64_t min_tokens = -1;  // B_min; -1: the protected tokens
+  double power = 1.0;            // budgets in proportion to sensitivity^power
 
   static DepthKV from_values(std::span<const double> s, const std::string& where) {
     KVP_REQUIRE(!s.empty(), "depthkv: ", where, " lists no layers");
@@ -83,6 +87,9 @@ struct DepthKV {
       d = from_values(w, "parameter 'weights'");
     }
     d.min_tokens = min_tokens;
+    d.power = p.get_double("power", 1.0);
+    KVP_REQUIRE(std::isfinite(d.power) && d.power >= 0, "depthkv: power must be >= 0, got ",
+                d.power);
     KVP_REQUIRE(min_tokens >= -1, "depthkv: min_tokens must be >= 0 (or -1 for the protected "
                 "tokens), got ", min_tokens);
     return d;
@@ -92,6 +99,8 @@ struct DepthKV {
   std::vector<double> targets(double B, std::int64_t T, std::int64_t lo) const {
     const auto n = static_cast<std::size_t>(layers);
     std::vector<double> w(sensitivity.begin(), sensitivity.begin() + layers);
+    if (power != 1.0)
+      for (auto& x : w) x = std::pow(x, power);  // pow(0, 0) = 1: power 0 is uniform
     const std::vector<double> lo_v(n, static_cast<double>(std::min(lo, T))),
         hi_v(n, static_cast<double>(T));
     return alloc::water_fill(w, B * static_cast<double>(layers), lo_v, hi_v);
