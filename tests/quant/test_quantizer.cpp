@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <kvpolicy/concepts.hpp>
@@ -125,6 +126,76 @@ TEST_CASE("block codec: every element within half a step of its group", "[quant]
   check_block_round_trip<q::Block<4, 64>>(rng);
   check_block_round_trip<q::Block<2, 128>>(rng);
   check_block_round_trip<q::Block<4, 128>>(rng);
+}
+
+// The vectorized encoders and unpackers against the scalar reference, byte for byte: groups with
+// rounding ties (x / scale = k + 1/2), signed zeros at the minimum, constant and near-constant
+// (huge zero point) groups, tiny and huge magnitudes.
+template <class Blk>
+void check_fast_codec(kvtest::Rng& rng) {
+  constexpr int G = Blk::group;
+  const std::int64_t d = 2 * G + 64;  // key tiles: chunks of 64 channels and a partial one
+  for (int shape = 0; shape < 8; ++shape) {
+    std::vector<float> x(static_cast<std::size_t>(G * d));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float r = static_cast<float>(rng.normal());
+      switch (shape) {
+        case 0: x[i] = r; break;
+        case 1: x[i] = 0.5f * static_cast<float>(rng.integer(-6, 6)); break;  // ties
+        case 2: x[i] = static_cast<float>(rng.integer(0, 3)) * (rng.integer(0, 1) ? 1.0f : -0.0f); break;
+        case 3: x[i] = i % 3 ? 0.0f : -0.0f; break;
+        case 4: x[i] = 1000.0f + r * 1e-4f; break;  // near-constant: quotients in the millions
+        case 5: x[i] = r * 1e-38f; break;
+        case 6: x[i] = r * 1e37f; break;
+        default: x[i] = i % 7 ? 2.5f : r; break;
+      }
+    }
+    INFO("bits " << Blk::bits << " group " << G << " shape " << shape);
+    // Values: each contiguous group.
+    for (std::int64_t g = 0; g < G * d / G; ++g) {
+      Blk fast, ref;
+      q::quantize_group(x.data() + g * G, fast);
+      q::quantize_block(x.data() + g * G, 1, G, ref);
+      REQUIRE(std::memcmp(&fast, &ref, sizeof(Blk)) == 0);
+      float off[static_cast<std::size_t>(G)], y[static_cast<std::size_t>(G)];
+      q::block_offsets(ref, off);
+      q::dequantize_block(ref, y, 1, G);
+      for (int i = 0; i < G; ++i) {
+        REQUIRE(off[i] == static_cast<float>(q::block_code(ref, i)) - ref.zero);
+        REQUIRE(y[i] == q::dequantize_value(q::block_code(ref, i), ref.scale, ref.zero));
+      }
+    }
+    // Keys: channels of a tile of n tokens (rows [n][d]).
+    for (int n : {G, G - 5, 1}) {
+      std::vector<Blk> fast(static_cast<std::size_t>(d)), ref(fast.size());
+      q::encode_key_blocks(x.data(), n, d, fast.data());
+      for (std::int64_t c = 0; c < d; ++c) q::quantize_block(x.data() + c, d, n, ref[static_cast<std::size_t>(c)]);
+      REQUIRE(std::memcmp(fast.data(), ref.data(), fast.size() * sizeof(Blk)) == 0);
+    }
+  }
+}
+
+TEST_CASE("block codec: vectorized encoders give the reference bytes", "[quant]") {
+  kvtest::Rng rng(23);
+  check_fast_codec<q::Block<2, 32>>(rng);
+  check_fast_codec<q::Block<4, 32>>(rng);
+  check_fast_codec<q::Block<2, 64>>(rng);
+  check_fast_codec<q::Block<4, 128>>(rng);
+  // round_half_away is roundf; quantize_value_small is quantize_value where it applies.
+  for (float v : {0.5f, -0.5f, 1.5f, -2.5f, 0.49999997f, -0.49999997f, -0.3f, 8388607.5f, 4194303.5f,
+                  1e30f, -1e-30f, 0.0f, -0.0f, INFINITY, -INFINITY}) {
+    INFO("v = " << v);
+    const float a = q::round_half_away(v), b = std::round(v);
+    CHECK(std::memcmp(&a, &b, sizeof a) == 0);
+  }
+  for (int i = 0; i < 100000; ++i) {
+    const float v = static_cast<float>(rng.uniform(-8, 8)) * (i % 2 ? 1.0f : 0.25f);
+    const float a = q::round_half_away(v), b = std::round(v);
+    REQUIRE(std::memcmp(&a, &b, sizeof a) == 0);
+    const q::QuantRange r{static_cast<float>(rng.uniform(0.01, 2)), static_cast<float>(rng.integer(-20, 20))};
+    if (std::abs(v / r.scale) < 4194304.0f)
+      REQUIRE(q::quantize_value_small(v, r, 3) == q::quantize_value(v, r, 3));
+  }
 }
 
 TEST_CASE("block codec: constant and all-zero groups decode exactly", "[quant]") {

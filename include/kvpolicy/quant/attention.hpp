@@ -1,12 +1,20 @@
 // Attention of one layer over packed caches (PackedCache per KV head, packed tiles + fp32
 // residual), never materializing the full-precision cache: each tile of `group` tokens is
-// dequantized into a small buffer and folded into an online softmax (running max, sum and
-// output per query row), so memory is O(group * d) per thread whatever the length.
+// unpacked into a small buffer and folded into an online softmax (running max, sum and output per
+// query row), so memory is O(group * d) per thread whatever the length.
 //   out[q, i] = H^T sum_j softmax_j((H q_i).K~_j * n_j / sqrt(d) + bias[h, j]) V~_j
 // which equals the plain attention over the dequantized cache (see quantizer.hpp: K~, V~, n).
-// GQA: query head q reads KV head q / (Hq / Hkv); the tiles of a KV head are decoded once for all
+// GQA: query head q reads KV head q / (Hq / Hkv); the tiles of a KV head are unpacked once for all
 // its query heads and queries. causal: query i of n_q sees the first len - n_q + i + 1 tokens
 // (as cpu::attention). Deterministic and independent of the thread count (one KV head per task).
+//
+// A tile is unpacked to y = code - zero (small exact integers) and each block's scale is folded
+// into the other factor instead of into y (block.hpp: a dequantized value is y * scale):
+//   keys   (block c = channel c over the tile's tokens t):
+//            logit_t = n_t * sum_c (q_c * scale_c) * y_ct       -- one product per channel
+//   values (block (t, b) = channels [b G, (b + 1) G) of token t):
+//            acc_e  += (p_t * scale_tb) * y_te                   -- one product per block
+// These are the dequantized products up to fp32 rounding (q * (y * s) vs (q * s) * y).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -35,18 +43,34 @@ struct OnlineSoftmax {
       : rows(r), d(dim), max(static_cast<std::size_t>(r), -std::numeric_limits<float>::infinity()),
         sum(static_cast<std::size_t>(r), 0.0f), acc(static_cast<std::size_t>(r * dim), 0.0f) {}
 
-  // Folds n logits s[0..n) (overwritten with probabilities) and values v [n][d] into row r.
-  void fold(std::int64_t r, float* s, std::int64_t n, const float* v) {
-    float mx = max[static_cast<std::size_t>(r)];
+  // Turns the logits s[0..n) of row r into probabilities relative to the new running max
+  // (s[n..n_max) are zeroed too: the caller adds p * v for a whole tile), updates the max and
+  // sum and rescales the row's output. Returns false (s all zero) when every logit is masked.
+  bool rescale(std::int64_t r, float* s, std::int64_t n, std::int64_t n_max) {
+    const auto ri = static_cast<std::size_t>(r);
+    float mx = max[ri];
     for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    if (mx == -std::numeric_limits<float>::infinity()) return;  // all masked
-    const float corr = std::exp(max[static_cast<std::size_t>(r)] - mx);
-    float* a = acc.data() + r * d;
+    if (n == 0 || mx == -std::numeric_limits<float>::infinity()) {  // all masked
+      std::fill(s, s + n_max, 0.0f);
+      return false;
+    }
+    const float corr = std::exp(max[ri] - mx);
     float add = 0;
     for (std::int64_t t = 0; t < n; ++t) add += (s[t] = std::exp(s[t] - mx));
-    sum[static_cast<std::size_t>(r)] = sum[static_cast<std::size_t>(r)] * corr + add;
-    max[static_cast<std::size_t>(r)] = mx;
-    for (std::int64_t e = 0; e < d; ++e) a[e] *= corr;
+    std::fill(s + n, s + n_max, 0.0f);
+    sum[ri] = sum[ri] * corr + add;
+    max[ri] = mx;
+    if (corr != 1.0f) {
+      float* a = acc.data() + r * d;
+      for (std::int64_t e = 0; e < d; ++e) a[e] *= corr;
+    }
+    return true;
+  }
+
+  // Folds n logits s[0..n) (overwritten with probabilities) and values v [n][d] into row r.
+  void fold(std::int64_t r, float* s, std::int64_t n, const float* v) {
+    if (!rescale(r, s, n, n)) return;
+    float* a = acc.data() + r * d;
     for (std::int64_t t = 0; t < n; ++t) {
       const float p = s[t];
       const float* vt = v + t * d;
@@ -54,6 +78,96 @@ struct OnlineSoftmax {
     }
   }
 };
+
+namespace detail {
+
+// One tile of G tokens in the form the kernels below read: keys channel-major ky [d][G] with a
+// scale per channel, values token-major vy [G][d] with a scale per (token, block of G channels).
+// Packed tiles hold y = code - zero and the blocks' scales; the residual's fp32 rows are copied
+// in with scales of 1 (keys transposed, values as they are).
+template <int G>
+struct TileBuffer {
+  std::int64_t d;
+  std::vector<float> ky, kscale, vy, vscale, ones, zeros;
+  explicit TileBuffer(std::int64_t dim)
+      : d(dim), ky(static_cast<std::size_t>(dim * G)), kscale(static_cast<std::size_t>(dim)),
+        vy(static_cast<std::size_t>(G * dim)), vscale(static_cast<std::size_t>(dim)),
+        ones(static_cast<std::size_t>(dim), 1.0f), zeros(static_cast<std::size_t>(dim), 0.0f) {}
+
+  template <class Blk>
+  void unpack_keys(const std::byte* tile) {
+    const auto* kb = reinterpret_cast<const Blk*>(tile);
+    for (std::int64_t c = 0; c < d; ++c) {
+      block_offsets(kb[c], ky.data() + c * G);
+      kscale[static_cast<std::size_t>(c)] = kb[c].scale;
+    }
+  }
+  // Blocks (t, b) in token order, G per token row of the tile: G * d / G = d blocks.
+  template <class Blk>
+  void unpack_values(const std::byte* tile) {
+    const auto* vb = reinterpret_cast<const Blk*>(tile);
+    for (std::int64_t i = 0; i < d; ++i) {
+      block_offsets(vb[i], vy.data() + i * G);
+      vscale[static_cast<std::size_t>(i)] = vb[i].scale;
+    }
+  }
+  // n <= G residual key rows [n][d] (stored form), transposed; tokens past n are zero.
+  void load_keys(const float* k, std::int64_t n) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      float* y = ky.data() + c * G;
+      for (std::int64_t t = 0; t < n; ++t) y[t] = k[t * d + c];
+      for (std::int64_t t = n; t < G; ++t) y[t] = 0.0f;
+    }
+    std::fill(kscale.begin(), kscale.end(), 1.0f);
+  }
+};
+
+// Products folded into one load and store of each running sum: the sums stay in registers for
+// kFold terms (a compiler keeps an accumulator array in memory across an outer loop, and a
+// store-to-load round trip per term would bound the loops below by its latency). The terms are
+// still added in order.
+constexpr int kFold = 8;
+
+// s[t] = sum_c (q_c * kscale_c) * ky[c][t], t < G: the tile's key logits of one query row, the
+// channels summed in order. d: a multiple of kFold.
+template <int G>
+void tile_logits(const float* q, const float* ky, const float* kscale, std::int64_t d, float* s) {
+  std::fill(s, s + G, 0.0f);
+  for (std::int64_t c0 = 0; c0 < d; c0 += kFold) {
+    float w[kFold];
+    for (int k = 0; k < kFold; ++k) w[k] = q[c0 + k] * kscale[c0 + k];
+    const float* y = ky + c0 * G;
+    for (int t = 0; t < G; ++t) {
+      float a = s[t];
+      for (int k = 0; k < kFold; ++k) a += w[k] * y[k * G + t];
+      s[t] = a;
+    }
+  }
+}
+
+// a[e] += sum_t p_t * scale(t, e / G) * y[t][e] for t < n, in token order. y: [n][d]; scale:
+// [n][d / G] with stride `scale_stride` per token (d / G, or 0 for one row of ones); zero: d
+// zeros, read in place of the rows past n.
+template <int G>
+void accumulate_values(const float* p, std::int64_t n, const float* y, const float* scale,
+                       std::int64_t scale_stride, const float* zero, std::int64_t d, float* a) {
+  for (std::int64_t t0 = 0; t0 < n; t0 += kFold) {
+    const float* row[kFold];
+    for (int k = 0; k < kFold; ++k) row[k] = t0 + k < n ? y + (t0 + k) * d : zero;
+    for (std::int64_t b = 0; b < d / G; ++b) {
+      float u[kFold];
+      for (int k = 0; k < kFold; ++k) u[k] = t0 + k < n ? p[t0 + k] * scale[(t0 + k) * scale_stride + b] : 0.0f;
+      float* ab = a + b * G;
+      for (int j = 0; j < G; ++j) {
+        float acc = ab[j];
+        for (int k = 0; k < kFold; ++k) acc += u[k] * row[k][b * G + j];
+        ab[j] = acc;
+      }
+    }
+  }
+}
+
+}  // namespace detail
 
 // heads: the Hkv caches of one layer (same config and head_dim). queries: one layer [Hq][n_q][d]
 // in original space (post-RoPE), any element type. out: fp32 [Hq][n_q][d] contiguous. A query
@@ -78,10 +192,11 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
     KVP_REQUIRE(!args.bias || args.bias_stride >= c.size(), "packed_attention: bias_stride ",
                 args.bias_stride, " is shorter than KV head ", h, "'s ", c.size(), " tokens");
   }
-  const std::int64_t g = Hq / Hkv, G = cfg.group, rows = g * nq;
+  const std::int64_t g = Hq / Hkv, rows = g * nq;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  with_block(cfg.bits, G, [&](auto blk) {
+  with_block(cfg.bits, cfg.group, [&](auto blk) {
     using Blk = decltype(blk);
+    constexpr int G = Blk::group;
     cpu::parallel_for(be, Hkv, [&](std::int64_t h) {
       const PackedCache& c = heads[static_cast<std::size_t>(h)];
       const std::int64_t len = c.size();
@@ -92,52 +207,46 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
         for (std::int64_t e = 0; e < d; ++e) qr[e] = to_float(queries.at(0, h * g + r / nq, r % nq, e)) * scale;
         if (cfg.rotate) hadamard_unchecked(qr, d);
       }
-      std::vector<float> kt(static_cast<std::size_t>(d * G)), vt(static_cast<std::size_t>(G * d));
+      detail::TileBuffer<G> buf(d);
       std::vector<float> norms(static_cast<std::size_t>(G)), s(static_cast<std::size_t>(G));
       const float* bias = args.bias ? args.bias + h * args.bias_stride : nullptr;
       OnlineSoftmax st(rows, d);
-      // One tile: keys channel-major kt [d][G], values vt [n][d], norms [n].
-      auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* v) {
+      // One tile of n <= G tokens from token `base` on, its keys in buf and norms [n]; values y
+      // [n][d] with scales [n][d / G] (scale_stride d / G) or all ones (scale_stride 0).
+      auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* vy, const float* vscale,
+                           std::int64_t scale_stride) {
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t i = r % nq;
           const std::int64_t visible = args.causal ? len - nq + i + 1 : len;
           const std::int64_t m = std::clamp<std::int64_t>(visible - base, 0, n);
           if (m == 0) continue;
-          const float* qr = q.data() + r * d;
-          std::fill(s.begin(), s.begin() + m, 0.0f);
-          for (std::int64_t e = 0; e < d; ++e) {
-            const float qe = qr[e];
-            const float* ke = kt.data() + e * G;
-            for (std::int64_t t = 0; t < m; ++t) s[static_cast<std::size_t>(t)] += qe * ke[t];
-          }
+          detail::tile_logits<G>(q.data() + r * d, buf.ky.data(), buf.kscale.data(), d, s.data());
           for (std::int64_t t = 0; t < m; ++t) {
             s[static_cast<std::size_t>(t)] *= norms[static_cast<std::size_t>(t)];
             if (bias) s[static_cast<std::size_t>(t)] += bias[base + t];
           }
-          st.fold(r, s.data(), m, v);
+          if (!st.rescale(r, s.data(), m, n)) continue;
+          detail::accumulate_values<G>(s.data(), n, vy, vscale, scale_stride, buf.zeros.data(), d,
+                                       st.acc.data() + r * d);
         }
       };
       for (std::int64_t tile = 0; tile < c.tiles(); ++tile) {
-        const auto* kb = reinterpret_cast<const Blk*>(c.key_tile(tile));
-        for (std::int64_t e = 0; e < d; ++e) dequantize_block(kb[e], kt.data() + e * G, 1, static_cast<int>(G));
+        buf.template unpack_keys<Blk>(c.key_tile(tile));
         if (cfg.token_norm) {
           const auto* nr = reinterpret_cast<const float*>(c.key_tile(tile) + d * static_cast<std::int64_t>(sizeof(Blk)));
           std::copy(nr, nr + G, norms.begin());
         } else {
           std::fill(norms.begin(), norms.end(), 1.0f);
         }
-        decode_value_tile<Blk>(c.value_tile(tile), static_cast<int>(G), d, vt.data());
-        fold_tile(tile * G, G, vt.data());
+        buf.template unpack_values<Blk>(c.value_tile(tile));
+        fold_tile(tile * G, G, buf.vy.data(), buf.vscale.data(), d / G);
       }
-      // Residual, in chunks of up to G tokens (values read in place).
+      // Residual, in chunks of up to G tokens (values read in place, scale 1).
       for (std::int64_t r0 = 0; r0 < c.residual_tokens(); r0 += G) {
-        const std::int64_t n = std::min(G, c.residual_tokens() - r0);
-        for (std::int64_t t = 0; t < n; ++t) {
-          const float* kr = c.residual_keys() + (r0 + t) * d;
-          for (std::int64_t e = 0; e < d; ++e) kt[static_cast<std::size_t>(e * G + t)] = kr[e];
-          norms[static_cast<std::size_t>(t)] = c.residual_norms()[r0 + t];
-        }
-        fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d);
+        const std::int64_t n = std::min<std::int64_t>(G, c.residual_tokens() - r0);
+        buf.load_keys(c.residual_keys() + r0 * d, n);
+        std::copy(c.residual_norms() + r0, c.residual_norms() + r0 + n, norms.begin());
+        fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d, buf.ones.data(), 0);
       }
       for (std::int64_t r = 0; r < rows; ++r) {
         float* o = out + ((h * g + r / nq) * nq + r % nq) * d;

@@ -30,22 +30,144 @@ KVP_HD inline void hadamard_butterfly(float& a, float& b) {
 }
 
 // Butterfly `i` (of n / 2) of the stage whose pairs are `half` apart: pairs (j, j + half) with
-// j = (i / half) * 2 * half + i % half. A stage is n / 2 independent butterflies.
+// j = (i / half) * 2 * half + i % half. A stage is n / 2 independent butterflies. half is a power
+// of two, so the division and remainder are a mask and a shift.
 KVP_HD inline void hadamard_stage_butterfly(float* x, std::int64_t half, std::int64_t i) {
-  const std::int64_t j = (i / half) * 2 * half + i % half;
+  const std::int64_t j = ((i & ~(half - 1)) << 1) | (i & (half - 1));
   hadamard_butterfly(x[j], x[j + half]);
 }
 
+// One whole stage, the same butterflies as hadamard_stage_butterfly for i = 0 .. n/2 - 1 but
+// walked as blocks of 2 * half values whose first half pairs with the second: the inner loop
+// runs over contiguous values, so it vectorizes once half >= the SIMD width.
+KVP_HD inline void hadamard_stage(float* x, std::int64_t n, std::int64_t half) {
+  for (std::int64_t b = 0; b < n; b += 2 * half) {
+    float* lo = x + b;
+    float* hi = lo + half;
+    for (std::int64_t j = 0; j < half; ++j) hadamard_butterfly(lo[j], hi[j]);
+  }
+}
+
+// Stages 1, 2 and 4 at once: each aligned block of 8 values goes through its 8-point transform
+// (the same 12 butterflies in the same order per value as the three stages).
+KVP_HD inline void hadamard_stages_1_2_4(float* x, std::int64_t n) {
+  for (std::int64_t b = 0; b < n; b += 8) {
+    float* y = x + b;
+    for (int h = 1; h < 8; h *= 2)
+      for (int j = 0; j < 8; ++j)
+        if ((j & h) == 0) hadamard_butterfly(y[j], y[j + h]);
+  }
+}
+
+#if !defined(__CUDACC__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#define KVP_HADAMARD_VECTOR 1
+// Host path on GCC (12+: __builtin_shufflevector) / Clang vector extensions (one 8-float vector;
+// AVX when enabled, two SSE halves otherwise): the stages below are the scalar ones with the same
+// additions per value. Elsewhere (CUDA, other compilers) the scalar loops above run.
+namespace detail {
+typedef float hadamard_v8 __attribute__((vector_size(32)));
+
+// Stages 1, 2 and 4 within one 8-value vector a. In stage `half` lane j pairs with lane
+// j ^ half, and p = a with those lanes swapped: the lower lane takes a + p = x_j + x_{j+half},
+// the upper one p - a = x_{j-half} - x_j (the butterfly's a - b); the blend keeps one per lane.
+// (By reference: a vector argument or result would change the ABI without AVX.)
+inline void hadamard_in_vector(hadamard_v8& a) {
+  hadamard_v8 p = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+  a = __builtin_shufflevector(a + p, p - a, 0, 9, 2, 11, 4, 13, 6, 15);
+  p = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  a = __builtin_shufflevector(a + p, p - a, 0, 1, 10, 11, 4, 5, 14, 15);
+  p = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  a = __builtin_shufflevector(a + p, p - a, 0, 1, 2, 3, 12, 13, 14, 15);
+}
+
+// Stage 8 * H and the ones above it between the V vectors v[]: vector i pairs with i + H.
+template <int V, int H>
+inline void hadamard_between_vectors(hadamard_v8* v) {
+  if constexpr (H < V) {
+#pragma GCC unroll 32
+    for (int i = 0; i < V; ++i)
+      if ((i & H) == 0) {
+        const hadamard_v8 lo = v[i], hi = v[i + H];
+        v[i] = lo + hi;
+        v[i + H] = lo - hi;
+      }
+    hadamard_between_vectors<V, 2 * H>(v);
+  }
+}
+
+// The whole transform of V * 8 values held in V vectors (registers, for V <= 16: the loops are
+// unrolled so that v[] has constant indices): stages 1, 2, 4 within each vector, then the
+// others between vectors. Scaled by s at the end.
+template <int V>
+inline void hadamard_vectors(float* x, float s) {
+  hadamard_v8 v[static_cast<std::size_t>(V)];
+#pragma GCC unroll 32
+  for (int i = 0; i < V; ++i) {
+    __builtin_memcpy(&v[i], x + 8 * i, sizeof v[i]);
+    hadamard_in_vector(v[i]);
+  }
+  hadamard_between_vectors<V, 1>(v);
+#pragma GCC unroll 32
+  for (int i = 0; i < V; ++i) {
+    if (s != 1.0f) v[i] *= s;
+    __builtin_memcpy(x + 8 * i, &v[i], sizeof v[i]);
+  }
+}
+
+// hadamard_unnormalized for n >= 8, then x *= s (s = 1: none).
+inline void hadamard_vector(float* x, std::int64_t n, float s) {
+  switch (n) {
+    case 8: return hadamard_vectors<1>(x, s);
+    case 16: return hadamard_vectors<2>(x, s);
+    case 32: return hadamard_vectors<4>(x, s);
+    case 64: return hadamard_vectors<8>(x, s);
+    case 128: return hadamard_vectors<16>(x, s);
+    default: break;
+  }
+  for (std::int64_t b = 0; b < n; b += 8) {
+    hadamard_v8 a;
+    __builtin_memcpy(&a, x + b, sizeof a);
+    hadamard_in_vector(a);
+    __builtin_memcpy(x + b, &a, sizeof a);
+  }
+  for (std::int64_t half = 8; half < n; half *= 2)
+    for (std::int64_t b = 0; b < n; b += 2 * half)
+      for (std::int64_t j = b; j < b + half; j += 8) {
+        hadamard_v8 lo, hi;
+        __builtin_memcpy(&lo, x + j, sizeof lo);
+        __builtin_memcpy(&hi, x + j + half, sizeof hi);
+        const hadamard_v8 sum = lo + hi, diff = lo - hi;
+        __builtin_memcpy(x + j, &sum, sizeof sum);
+        __builtin_memcpy(x + j + half, &diff, sizeof diff);
+      }
+  if (s != 1.0f)
+    for (std::int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+}  // namespace detail
+#endif
+
 // Unnormalized transform x <- H_n x (log2(n) stages of n / 2 butterflies). n: a power of two.
+// Every output is the same sequence of fp32 additions as the per-butterfly form, so the bits do
+// not depend on how the stages are walked.
 KVP_HD inline void hadamard_unnormalized(float* x, std::int64_t n) {
-  for (std::int64_t half = 1; half < n; half *= 2)
-    for (std::int64_t i = 0; i < n / 2; ++i) hadamard_stage_butterfly(x, half, i);
+#if defined(KVP_HADAMARD_VECTOR)
+  if (n >= 8) return detail::hadamard_vector(x, n, 1.0f);
+#endif
+  std::int64_t half = 1;
+  if (n >= 8) {
+    hadamard_stages_1_2_4(x, n);
+    half = 8;
+  }
+  for (; half < n; half *= 2) hadamard_stage(x, n, half);
 }
 
 // Orthonormal transform x <- H_n x / sqrt(n). n: a power of two (unchecked here).
 KVP_HD inline void hadamard_unchecked(float* x, std::int64_t n) {
-  hadamard_unnormalized(x, n);
   const float s = 1.0f / sqrtf(static_cast<float>(n));
+#if defined(KVP_HADAMARD_VECTOR)
+  if (n >= 8) return detail::hadamard_vector(x, n, s);
+#endif
+  hadamard_unnormalized(x, n);
   for (std::int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 

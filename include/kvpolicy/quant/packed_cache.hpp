@@ -11,10 +11,18 @@
 // Cache order = token order: packed tiles first, then the residual (a log_count bias follows it).
 //
 // Memory: packed_tokens() * bytes_per_token() + residual_tokens() * (2 * d + 1) * 4 bytes.
+//
+// Appending does not stream every token through the residual: a call works out which tiles its
+// tokens end up in (packed_target), so once the residual holds only tokens that are packed anyway
+// it is packed whole and the next tiles pass through the empty buffer one group at a time. The
+// buffer's rows stay at its front, and only a small append that keeps part of the residual moves
+// rows (as many as the residual keeps). The result is the same as packing group by group.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -39,7 +47,7 @@ class PackedCache {
   std::int64_t head_dim() const { return d_; }
   std::int64_t size() const { return packed_ + residual_tokens(); }
   std::int64_t packed_tokens() const { return packed_; }
-  std::int64_t residual_tokens() const { return static_cast<std::int64_t>(res_norm_.size()); }
+  std::int64_t residual_tokens() const { return res_n_; }
   std::int64_t tiles() const { return packed_ / config_.group; }
 
   // Packed tile i (tokens [i * group, (i + 1) * group)).
@@ -52,25 +60,31 @@ class PackedCache {
   const float* residual_values() const { return res_v_.data(); }
   const float* residual_norms() const { return res_norm_.data(); }
 
+  // Held bytes: the packed tiles and the live residual rows (the residual buffer keeps its
+  // capacity, at most about twice residual + group rows).
   std::size_t memory_bytes() const {
-    return keys_.size() + values_.size() + (res_k_.size() + res_v_.size() + res_norm_.size()) * sizeof(float);
+    return keys_.size() + values_.size() + static_cast<std::size_t>(res_n_ * (2 * d_ + 1)) * sizeof(float);
   }
 
+  // Empties the cache; the buffers keep their capacity.
   void clear() {
     keys_.clear();
     values_.clear();
-    res_k_.clear();
-    res_v_.clear();
-    res_norm_.clear();
+    res_n_ = 0;
     packed_ = 0;
   }
 
-  // Appends n tokens: k, v contiguous [n][d] fp32 in original space (finite).
+  // Tokens packed once the cache holds `size` tokens (the formula at the top).
+  std::int64_t packed_target(std::int64_t size) const {
+    const std::int64_t G = config_.group;
+    return G * std::min((std::max<std::int64_t>(0, size - config_.residual) + G - 1) / G, size / G);
+  }
+
+  // Appends n tokens: k, v contiguous [n][d] fp32 in original space (finite). A token with a
+  // non-finite element throws; the tokens before it are appended.
   void append(const float* k, const float* v, std::int64_t n) {
-    append_rows(n, [&](std::int64_t t, float* kr, float* vr) {
-      std::copy(k + t * d_, k + (t + 1) * d_, kr);
-      std::copy(v + t * d_, v + (t + 1) * d_, vr);
-    });
+    require_appendable(n);
+    append_rows(k, v, n, 0);
   }
 
   // Appends tokens [t0, t0 + n) of (layer, head) of two views of any element type and layout
@@ -86,12 +100,19 @@ class PackedCache {
     KVP_REQUIRE(t0 >= 0 && n >= 0 && t0 + n <= keys.tokens && t0 + n <= values.tokens,
                 "PackedCache::append: tokens [", t0, ", ", t0 + n, ") are outside the views (",
                 keys.tokens, "/", values.tokens, " tokens)");
-    append_rows(n, [&](std::int64_t t, float* kr, float* vr) {
-      for (std::int64_t i = 0; i < d_; ++i) {
-        kr[i] = to_float(keys.at(layer, head, t0 + t, i));
-        vr[i] = to_float(values.at(layer, head, t0 + t, i));
-      }
-    });
+    require_appendable(n);
+    // Converted to fp32 rows in chunks, then appended as rows (same state as one call).
+    constexpr std::int64_t kChunk = 256;
+    std::vector<float> kr(static_cast<std::size_t>(std::min(n, kChunk) * d_)), vr(kr.size());
+    for (std::int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const std::int64_t m = std::min(kChunk, n - c0);
+      for (std::int64_t t = 0; t < m; ++t)
+        for (std::int64_t i = 0; i < d_; ++i) {
+          kr[static_cast<std::size_t>(t * d_ + i)] = to_float(keys.at(layer, head, t0 + c0 + t, i));
+          vr[static_cast<std::size_t>(t * d_ + i)] = to_float(values.at(layer, head, t0 + c0 + t, i));
+        }
+      append_rows(kr.data(), vr.data(), m, c0);
+    }
   }
 
   // The whole cache in original space, k and v [size()][d] (materializes: tests and debugging,
@@ -130,47 +151,110 @@ class PackedCache {
   }
 
  private:
-  template <class Load>
-  void append_rows(std::int64_t n, Load&& load) {
+  void require_appendable(std::int64_t n) const {
     KVP_REQUIRE(d_ > 0, "PackedCache::append: the cache was default-constructed (no head_dim)");
     KVP_REQUIRE(n >= 0, "PackedCache::append: negative token count ", n);
-    for (std::int64_t t = 0; t < n; ++t) {
-      const std::size_t off = res_k_.size();
-      res_k_.resize(off + static_cast<std::size_t>(d_));
-      res_v_.resize(off + static_cast<std::size_t>(d_));
-      float* kr = res_k_.data() + off;
-      float* vr = res_v_.data() + off;
-      load(t, kr, vr);
-      for (std::int64_t i = 0; i < d_; ++i)
-        if (!std::isfinite(kr[i]) || !std::isfinite(vr[i])) {
-          res_k_.resize(off);
-          res_v_.resize(off);
-          kvpolicy::detail::fail("PackedCache::append: token ", t, " has a non-finite ",
-                       std::isfinite(kr[i]) ? "value" : "key", " element at dim ", i);
-        }
-      res_norm_.push_back(prepare_key(config_, kr, d_));
-      prepare_value(config_, vr, d_);
-      flush();
+  }
+
+  // Appends rows k, v [n][d] (original space); `first` numbers row 0 in error messages.
+  // Segments of finite rows, checked just before they are copied (so still in cache then); a
+  // segment spans more than the residual window, so appending one packs the residual whole.
+  void append_rows(const float* k, const float* v, std::int64_t n, std::int64_t first) {
+    const std::int64_t seg = std::max<std::int64_t>(256, 2 * (config_.residual + config_.group));
+    for (std::int64_t t0 = 0; t0 < n; t0 += seg) {
+      const std::int64_t m = std::min(seg, n - t0);
+      std::int64_t ok = 0;
+      while (ok < m && finite_row(k + (t0 + ok) * d_) && finite_row(v + (t0 + ok) * d_)) ++ok;
+      append_finite(k + t0 * d_, v + t0 * d_, ok);
+      if (ok < m) fail_non_finite(k + (t0 + ok) * d_, v + (t0 + ok) * d_, first + t0 + ok);
     }
   }
 
-  // Packs the oldest whole groups while the residual is longer than `residual`.
-  void flush() {
-    const std::int64_t G = config_.group;
-    while (residual_tokens() > config_.residual && residual_tokens() >= G) {
-      const std::size_t k0 = keys_.size(), v0 = values_.size();
-      keys_.resize(k0 + key_tile_);
-      values_.resize(v0 + value_tile_);
-      with_block(config_.bits, G, [&](auto blk) {
-        using Blk = decltype(blk);
-        encode_key_tile<Blk>(config_, res_k_.data(), res_norm_.data(), static_cast<int>(G), d_, keys_.data() + k0);
-        encode_value_tile<Blk>(res_v_.data(), static_cast<int>(G), d_, values_.data() + v0);
-      });
-      res_k_.erase(res_k_.begin(), res_k_.begin() + G * d_);
-      res_v_.erase(res_v_.begin(), res_v_.begin() + G * d_);
-      res_norm_.erase(res_norm_.begin(), res_norm_.begin() + G);
-      packed_ += G;
+  // Whether all d values are finite: exponent bits not all ones. On the bits, as an integer max,
+  // so that the scan vectorizes (std::isfinite is an fp comparison, kept scalar by
+  // -ftrapping-math).
+  bool finite_row(const float* x) const {
+    std::uint32_t top = 0;
+    for (std::int64_t i = 0; i < d_; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, x + i, sizeof bits);
+      top = std::max(top, bits & 0x7f800000u);
     }
+    return top != 0x7f800000u;
+  }
+
+  // Throws for the first non-finite element of token t (key before value at the same dim).
+  [[noreturn]] void fail_non_finite(const float* kr, const float* vr, std::int64_t t) const {
+    std::int64_t i = 0;
+    while (i + 1 < d_ && std::isfinite(kr[i]) && std::isfinite(vr[i])) ++i;
+    kvpolicy::detail::fail("PackedCache::append: token ", t, " has a non-finite ",
+                           std::isfinite(kr[i]) ? "value" : "key", " element at dim ", i);
+  }
+
+  // Appends n finite rows. to_pack = the tokens this call packs, counted from the residual's
+  // first row. While they cover the whole residual, rows are added up to the next group boundary
+  // and the residual's groups packed, which empties it; the rows left over then stay as the
+  // residual. Otherwise (a small append) the rows are added and the oldest groups packed from
+  // the front, the rest moved down.
+  void append_finite(const float* k, const float* v, std::int64_t n) {
+    const std::int64_t G = config_.group;
+    std::int64_t to_pack = packed_target(size() + n) - packed_;
+    std::int64_t t = 0;
+    for (;;) {
+      if (res_n_ > 0 && res_n_ % G == 0 && to_pack >= res_n_) {
+        pack_front(res_n_ / G);
+        to_pack -= res_n_;
+        res_n_ = 0;
+      }
+      if (t == n) break;
+      const std::int64_t m = to_pack > res_n_ ? std::min(n - t, G - res_n_ % G) : n - t;
+      push_rows(k + t * d_, v + t * d_, m);
+      t += m;
+    }
+    if (to_pack > 0) {
+      pack_front(to_pack / G);
+      const auto rows = static_cast<std::size_t>(to_pack), rest = static_cast<std::size_t>(res_n_ - to_pack);
+      const auto d = static_cast<std::size_t>(d_);
+      std::memmove(res_k_.data(), res_k_.data() + rows * d, rest * d * sizeof(float));
+      std::memmove(res_v_.data(), res_v_.data() + rows * d, rest * d * sizeof(float));
+      std::memmove(res_norm_.data(), res_norm_.data() + rows, rest * sizeof(float));
+      res_n_ -= to_pack;
+    }
+  }
+
+  // Copies n rows to the end of the residual and brings them to stored form.
+  void push_rows(const float* k, const float* v, std::int64_t n) {
+    const auto need = static_cast<std::size_t>(res_n_ + n);
+    if (res_norm_.size() < need) {  // grow only; clear() and packing keep the capacity
+      res_k_.resize(need * static_cast<std::size_t>(d_));
+      res_v_.resize(need * static_cast<std::size_t>(d_));
+      res_norm_.resize(need);
+    }
+    float* kr = res_k_.data() + res_n_ * d_;
+    float* vr = res_v_.data() + res_n_ * d_;
+    std::copy(k, k + n * d_, kr);
+    std::copy(v, v + n * d_, vr);
+    prepare_keys(config_, kr, n, d_, res_norm_.data() + res_n_);
+    prepare_values(config_, vr, n, d_);
+    res_n_ += n;
+  }
+
+  // Packs the residual's first `tiles` groups into new tiles (the rows stay where they are).
+  void pack_front(std::int64_t tiles) {
+    const std::int64_t G = config_.group;
+    const std::size_t k0 = keys_.size(), v0 = values_.size();
+    keys_.resize(k0 + static_cast<std::size_t>(tiles) * key_tile_);
+    values_.resize(v0 + static_cast<std::size_t>(tiles) * value_tile_);
+    with_block(config_.bits, G, [&](auto blk) {
+      using Blk = decltype(blk);
+      for (std::int64_t i = 0; i < tiles; ++i) {
+        encode_key_tile<Blk>(config_, res_k_.data() + i * G * d_, res_norm_.data() + i * G, static_cast<int>(G), d_,
+                             keys_.data() + k0 + static_cast<std::size_t>(i) * key_tile_);
+        encode_value_tile<Blk>(res_v_.data() + i * G * d_, static_cast<int>(G), d_,
+                               values_.data() + v0 + static_cast<std::size_t>(i) * value_tile_);
+      }
+    });
+    packed_ += tiles * G;
   }
 
   QuantConfig config_{};
@@ -178,7 +262,8 @@ class PackedCache {
   std::size_t key_tile_ = 0, value_tile_ = 0;
   std::int64_t packed_ = 0;
   std::vector<std::byte> keys_, values_;   // tiles() key tiles / value tiles
-  std::vector<float> res_k_, res_v_, res_norm_;
+  std::int64_t res_n_ = 0;                  // residual rows in use (the buffers may be longer)
+  std::vector<float> res_k_, res_v_, res_norm_;  // [res_n_][d], [res_n_][d], [res_n_] in front
 };
 
 }  // namespace kvpolicy::quant

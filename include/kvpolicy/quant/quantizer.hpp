@@ -93,20 +93,57 @@ inline double bytes_per_token(const QuantConfig& c, std::int64_t head_dim) {
 
 // --- Stored form of one row (host; d already validated) -------------------------------------
 
-// k <- H k / ||k|| in place; returns the token norm (1 without token_norm, 0 for a zero key,
-// which then stays zero).
+// ||k|| of rows k [n][d]: each a sum of squares in index order in double (the products are
+// exact there; the order of the additions fixes the bits), rounded to fp32. Four rows at a time:
+// four independent sums instead of one chain of d dependent additions (past n, the last row is
+// summed again and dropped).
+inline void row_norms(const float* k, std::int64_t n, std::int64_t d, float* norms) {
+  for (std::int64_t t = 0; t < n; t += 4) {
+    const float* r[4];
+    for (std::int64_t j = 0; j < 4; ++j) r[j] = k + std::min(t + j, n - 1) * d;
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (std::int64_t i = 0; i < d; ++i) {
+      s0 += static_cast<double>(r[0][i]) * r[0][i];
+      s1 += static_cast<double>(r[1][i]) * r[1][i];
+      s2 += static_cast<double>(r[2][i]) * r[2][i];
+      s3 += static_cast<double>(r[3][i]) * r[3][i];
+    }
+    const double s[4] = {s0, s1, s2, s3};
+    for (std::int64_t j = 0; j < 4 && t + j < n; ++j) norms[t + j] = static_cast<float>(std::sqrt(s[j]));
+  }
+}
+
+// Rows k [n][d] <- H k / ||k|| in place; norms [n] <- the token norms (1 without token_norm, 0
+// for a zero key, which then stays zero).
+inline void prepare_keys(const QuantConfig& c, float* k, std::int64_t n, std::int64_t d,
+                         float* norms) {
+  if (c.rotate)
+    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked(k + t * d, d);
+  if (!c.token_norm) {
+    std::fill(norms, norms + n, 1.0f);
+    return;
+  }
+  row_norms(k, n, d, norms);
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float nt = norms[t];
+    float* r = k + t * d;
+    if (nt > 0.0f)
+      for (std::int64_t i = 0; i < d; ++i) r[i] /= nt;  // a division, not * (1 / nt): same bits
+  }
+}
+
+// One row: k <- H k / ||k||; returns the token norm.
 inline float prepare_key(const QuantConfig& c, float* k, std::int64_t d) {
-  if (c.rotate) hadamard_unchecked(k, d);
-  if (!c.token_norm) return 1.0f;
-  double s = 0;
-  for (std::int64_t i = 0; i < d; ++i) s += static_cast<double>(k[i]) * k[i];
-  const float n = static_cast<float>(std::sqrt(s));
-  if (n > 0.0f)
-    for (std::int64_t i = 0; i < d; ++i) k[i] /= n;
+  float n = 1.0f;
+  prepare_keys(c, k, 1, d, &n);
   return n;
 }
 inline void prepare_value(const QuantConfig& c, float* v, std::int64_t d) {
   if (c.rotate) hadamard_unchecked(v, d);
+}
+inline void prepare_values(const QuantConfig& c, float* v, std::int64_t n, std::int64_t d) {
+  if (c.rotate)
+    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked(v + t * d, d);
 }
 // Inverses: back to the original space.
 inline void restore_key(const QuantConfig& c, float* k, std::int64_t d, float norm) {
@@ -118,14 +155,70 @@ inline void restore_value(const QuantConfig& c, float* v, std::int64_t d) {
   if (c.rotate) hadamard_unchecked(v, d);
 }
 
-// --- Tiles (scalar reference codec); Blk = Block<bits, group> --------------------------------
+// --- Tiles; Blk = Block<bits, group> ---------------------------------------------------------
+//
+// The encoders give quantize_block's bytes (tests/quant compare them), vectorized: keys across
+// channels (the rows are token-major, each channel's block runs down a column), values along the
+// row (each block is 32+ contiguous channels).
+
+// quantize_block(k + ch, d, n, blocks[ch]) for every channel ch, `kChannels` channels at a time:
+// the running min / max per channel scans the tokens in order as the reference does (so its tie
+// rule holds), then every token's codes are computed across the channels and packed per channel.
+template <class Blk>
+void encode_key_blocks(const float* k, int n, std::int64_t d, Blk* blocks) {
+  constexpr int kChannels = 64, G = Blk::group, per = Blk::per_byte;
+  float lo[kChannels], hi[kChannels];
+  float scale[kChannels], zero[kChannels];
+  std::uint8_t codes[static_cast<std::size_t>(G)][kChannels];  // [token][channel]; 0 past n, as the reference leaves them
+  for (std::int64_t c0 = 0; c0 < d; c0 += kChannels) {
+    const int nc = static_cast<int>(std::min<std::int64_t>(kChannels, d - c0));
+    const float* x = k + c0;
+    for (int j = 0; j < nc; ++j) lo[j] = hi[j] = n > 0 ? x[j] : 0.0f;
+    for (int t = 1; t < n; ++t)
+      for (int j = 0; j < nc; ++j) {
+        const float v = x[t * d + j];
+        lo[j] = v < lo[j] ? v : lo[j];
+        hi[j] = v > hi[j] ? v : hi[j];
+      }
+    for (int j = 0; j < nc; ++j) {
+      const QuantRange r = quant_range(lo[j], hi[j], Blk::max_code);
+      scale[j] = r.scale;
+      zero[j] = r.zero;
+      blocks[c0 + j].scale = scale[j];
+      blocks[c0 + j].zero = zero[j];
+    }
+    bool small = true;  // quantize_value_small is exact for every channel of the chunk
+    for (int j = 0; j < nc; ++j) small &= small_quotients(lo[j], hi[j], {scale[j], zero[j]});
+    for (int t = 0; t < G; ++t) {
+      if (t >= n) {
+        std::fill(codes[t], codes[t] + nc, std::uint8_t{0});
+        continue;
+      }
+      const float* xt = x + t * d;
+      if (small)
+        for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value_small(xt[j], {scale[j], zero[j]}, Blk::max_code));
+      else
+        for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value(xt[j], {scale[j], zero[j]}, Blk::max_code));
+    }
+    // Byte b of channel j's block: tokens b * per .. b * per + per - 1 (block.hpp's layout).
+    for (int b = 0; b < G / per; ++b) {
+      std::uint8_t packed[kChannels];
+      for (int j = 0; j < nc; ++j) {
+        unsigned v = 0;
+        for (int u = 0; u < per; ++u) v |= static_cast<unsigned>(codes[b * per + u][j]) << (u * Blk::bits);
+        packed[j] = static_cast<std::uint8_t>(v);
+      }
+      for (int j = 0; j < nc; ++j) blocks[c0 + j].qs[b] = packed[j];
+    }
+  }
+}
 
 // k: n <= group stored-form rows [n][d]; norms: [n] (read only with token_norm).
 template <class Blk>
 void encode_key_tile(const QuantConfig& c, const float* k, const float* norms, int n,
                      std::int64_t d, std::byte* out) {
   auto* blocks = reinterpret_cast<Blk*>(out);
-  for (std::int64_t ch = 0; ch < d; ++ch) quantize_block(k + ch, d, n, blocks[ch]);
+  encode_key_blocks(k, n, d, blocks);
   if (c.token_norm) {
     auto* nr = reinterpret_cast<float*>(out + d * static_cast<std::int64_t>(sizeof(Blk)));
     for (int t = 0; t < Blk::group; ++t) nr[t] = t < n ? norms[t] : 0.0f;
@@ -137,10 +230,25 @@ template <class Blk>
 void encode_value_tile(const float* v, int n, std::int64_t d, std::byte* out) {
   auto* blocks = reinterpret_cast<Blk*>(out);
   const std::int64_t per_row = d / Blk::group;
-  std::memset(out, 0, static_cast<std::size_t>(Blk::group * per_row) * sizeof(Blk));
-  for (int t = 0; t < n; ++t)
-    for (std::int64_t b = 0; b < per_row; ++b)
-      quantize_block(v + t * d + b * Blk::group, 1, Blk::group, blocks[t * per_row + b]);
+  std::memset(out + n * per_row * static_cast<std::int64_t>(sizeof(Blk)), 0,
+              static_cast<std::size_t>((Blk::group - n) * per_row) * sizeof(Blk));
+  // quantize_group per block, in chunks of kBlocks: all ranges of a chunk first, so that the
+  // dependent divisions of quant_range can overlap across blocks.
+  constexpr std::int64_t kBlocks = 16;
+  const std::int64_t count = n * per_row;  // block i: values [i G, (i + 1) G) of the rows [n][d]
+  for (std::int64_t i0 = 0; i0 < count; i0 += kBlocks) {
+    const std::int64_t m = std::min(kBlocks, count - i0);
+    float lo[kBlocks], hi[kBlocks];
+    QuantRange r[kBlocks];
+    for (std::int64_t i = 0; i < m; ++i) {
+      group_min_max<Blk::group>(v + (i0 + i) * Blk::group, lo[i], hi[i]);
+      r[i] = quant_range(lo[i], hi[i], Blk::max_code);
+      blocks[i0 + i].scale = r[i].scale;
+      blocks[i0 + i].zero = r[i].zero;
+    }
+    for (std::int64_t i = 0; i < m; ++i)
+      quantize_group_codes(v + (i0 + i) * Blk::group, r[i], lo[i], hi[i], blocks[i0 + i]);
+  }
 }
 
 // Stored-form rows [n][d] and norms [n] (norms may be null; 1 without token_norm).
