@@ -83,7 +83,8 @@ engine. Prints markdown tables, writes <out>/results.json and PNG plots (<out>/*
                        depthkv with the bundled model's profile)
   --suite NAME         a preset comparison instead of the default run (later flags still apply):
                          allocators  snapkv and h2o, each alone and with pyramid, depthkv
-                                     (bundled profile), adakv, ams; passkey grid at 2048 and
+                                     (bundled profile; power 1 and 0.25), adakv, ams; passkey
+                                     grid at 2048 and
                                      fidelity at 10/20/30%; no decode or throughput section
                          mergers     snapkv and h2o: eviction only, nearest, semantic(tau=0.9),
                                      semantic(tau=0.5); snapkv | ams | semantic; passkey grid,
@@ -158,6 +159,8 @@ Options parse_args(int argc, char** argv) {
           for (const char* chain :
                {"", " | pyramid", " | depthkv(profile=" KVPOLICY_PROFILE_DIR
                     "/SmolLM2-135M-Instruct.snapkv-0.2.json)",
+                " | depthkv(profile=" KVPOLICY_PROFILE_DIR
+                "/SmolLM2-135M-Instruct.snapkv-0.2.json,power=0.25)",
                 " | adakv", " | ams"})
             o.policies.push_back(std::string(scorer) + chain);
         o.skip = {"decode", "throughput"};
