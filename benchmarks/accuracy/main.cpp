@@ -84,8 +84,8 @@ engine. Prints markdown tables, writes <out>/results.json and PNG plots (<out>/*
   --suite NAME         a preset comparison instead of the default run (later flags still apply):
                          allocators  snapkv and h2o, each alone and with pyramid, depthkv
                                      (bundled profile; power 1 and 0.25), adakv, ams; passkey
-                                     grid at 2048 and
-                                     fidelity at 10/20/30%; no decode or throughput section
+                                     grid at 2048 and fidelity at 10/20/30%; no decode or
+                                     throughput section
                          mergers     snapkv and h2o: eviction only, nearest, semantic(tau=0.9),
                                      semantic(tau=0.5); snapkv | ams | semantic; passkey grid,
                                      fidelity and decode-time task; no throughput section
