@@ -270,7 +270,16 @@ std::string label(std::string spec) {
   for (std::size_t at; (at = spec.find(dir)) != std::string::npos;) spec.erase(at, dir.size());
   return spec;
 }
-// The same inside a markdown table cell: code span, pipes escaped.
+// Text inside a markdown table cell: pipes escaped.
+std::string escape_pipes(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '|') out += '\\';
+    out += c;
+  }
+  return out;
+}
+// A spec inside a markdown table cell: code span, pipes escaped.
 std::string cell(const std::string& spec) {
   std::string out = "`";
   for (char c : label(spec)) {
@@ -773,7 +782,7 @@ int main(int argc, char** argv) {
             "norms + residual window).\n\n";
       std::vector<std::vector<std::string>> rows;
       for (const auto& t : thr)
-        rows.push_back({std::to_string(t.context), t.config, fmt("%.0f", t.prefill_tps),
+        rows.push_back({std::to_string(t.context), escape_pipes(t.config), fmt("%.0f", t.prefill_tps),
                         t.compress_ms > 0 ? fmt("%.0f", t.compress_ms) : "-",
                         fmt("%.1f", t.decode_tps),
                         fmt("%.1f", static_cast<double>(t.kv_bytes) / (1 << 20))});
