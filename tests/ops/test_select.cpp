@@ -71,7 +71,7 @@ TEST_CASE("select_row keeps exactly the budget: protected tokens plus the best o
   }
 }
 
-TEST_CASE("select_row ties prefer the more recent token; -0.0 ties with +0.0", "[ops]") {
+TEST_CASE("select_row ties prefer the more recent token, and -0.0 ties with +0.0", "[ops]") {
   CHECK(select_row(std::vector<float>(8, 1.f), 3, {0, 0}) == std::vector<std::int32_t>{5, 6, 7});
   CHECK(select_row(std::vector<float>(8, 1.f), 3, {1, 1}) == std::vector<std::int32_t>{0, 6, 7});
   CHECK(select_row({0.f, -0.f, 0.f, -0.f, -0.f, 0.f}, 2, {0, 0}) ==

@@ -287,7 +287,7 @@ TEMPLATE_TEST_CASE("Session attend equals attention over the (ragged) cache", "[
   }
 }
 
-TEMPLATE_TEST_CASE("Session H2O: state follows its tokens; decode eviction keeps the budget",
+TEMPLATE_TEST_CASE("Session H2O: state follows its tokens, decode eviction keeps the budget",
                    "[session]", float, kvpolicy::half) {
   using T = TestType;
   const std::string spec = GENERATE(as<std::string>{}, "h2o", "h2o(recent_tokens=3,sinks=2)", "h2o(reduce=sum)");

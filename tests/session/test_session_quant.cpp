@@ -50,7 +50,7 @@ std::vector<double> dequantized_attention(const Session<float>& s, const KVView<
 
 }  // namespace
 
-TEST_CASE("Session quantizer: evict, then pack the survivors; attention reads the packed form",
+TEST_CASE("Session quantizer: evict, then pack the survivors - attention reads the packed form",
           "[session][quant]") {
   const std::int64_t S = 150, steps = 45;
   const Tokens t = random_tokens(S + steps, 21);
