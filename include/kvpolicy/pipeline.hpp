@@ -14,6 +14,15 @@ namespace kvpolicy {
 
 namespace detail {
 
+// A scorer's name in messages: its spec name (a plug-in's own for External).
+template <class S>
+std::string_view scorer_label(const S& s) {
+  if constexpr (requires { s.plugin_name(); })
+    return s.plugin_name();
+  else
+    return S::name;
+}
+
 // One compression event's selection: validate inputs, resolve the budget, score, let the
 // allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain;
 // `req` is what that chain reads (merged over its stages), `ev` where the event sits.
@@ -41,7 +50,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   const std::int64_t n_protected = protect.total(Tk);
   for (std::int64_t b : budgets)
     KVP_REQUIRE(b >= Tk || b >= n_protected, "budget of ", b, " tokens per head is below the ",
-                n_protected, " tokens ", S::name, widened ? " and its allocators protect (" :
+                n_protected, " tokens ", scorer_label(scorer), widened ? " and its allocators protect (" :
                 " protects (", protect.sinks, " sinks + ", protect.recent, " recent)");
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;

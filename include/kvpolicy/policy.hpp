@@ -12,16 +12,17 @@
 
 #include "kvpolicy/pipeline.hpp"
 #include "kvpolicy/registry.hpp"
+#include "kvpolicy/scorers/external.hpp"
 #include "kvpolicy/spec.hpp"
 
 namespace kvpolicy {
 
 namespace detail {
-template <class Tuple>
+template <class Tuple, class... Extra>
 struct variant_of;
-template <class... Ts>
-struct variant_of<std::tuple<Ts...>> {
-  using type = std::variant<Ts...>;
+template <class... Ts, class... Extra>
+struct variant_of<std::tuple<Ts...>, Extra...> {
+  using type = std::variant<Ts..., Extra...>;
 };
 
 template <class... Ts>
@@ -43,21 +44,51 @@ bool make_stage(SpecStage& stage, Variant& out, std::tuple<Ts...>*) {
 
 class Policy {
  public:
-  using AnyScorer = detail::variant_of<scorer_types>::type;
+  // Built-in scorers, and External for plug-ins (scorers/external.hpp).
+  using AnyScorer = detail::variant_of<scorer_types, External>::type;
   using AnyAllocator = detail::variant_of<allocator_types>::type;
   using AnyMerger = detail::variant_of<merger_types>::type;
   using AnyQuantizer = detail::variant_of<quantizer_types>::type;
 
   Policy() : Policy("streaming") {}
-  explicit Policy(std::string_view spec) {
+  explicit Policy(std::string_view spec) : Policy(spec, {}) {}
+  // `plugins`: scorers implemented outside the library, found by name when the first stage is
+  // not a built-in scorer. A plug-in stage takes no parameters; a plug-in named like a built-in
+  // stage is rejected.
+  Policy(std::string_view spec, std::span<const External> plugins) {
     auto stages = parse_spec(spec);
     const std::string scorer_names = detail::names_of(static_cast<scorer_types*>(nullptr));
     const std::string alloc_names = detail::names_of(static_cast<allocator_types*>(nullptr));
-    KVP_REQUIRE(detail::make_stage(stages[0], scorer_, static_cast<scorer_types*>(nullptr)),
-                "unknown scorer '", stages[0].name, "' (valid scorers: ", scorer_names, ")");
-    spec_ = stages[0].text;
     const std::string merger_names = detail::names_of(static_cast<merger_types*>(nullptr));
     const std::string quant_names = detail::names_of(static_cast<quantizer_types*>(nullptr));
+    std::string plugin_names;
+    for (const External& p : plugins) {
+      const std::string_view n = p.plugin_name();
+      auto clashes = [&](const std::string& names) {
+        std::string_view rest = names;
+        while (!rest.empty()) {
+          const std::size_t c = rest.find(", ");
+          if (rest.substr(0, c) == n) return true;
+          rest = c == std::string_view::npos ? std::string_view{} : rest.substr(c + 2);
+        }
+        return false;
+      };
+      KVP_REQUIRE(!clashes(scorer_names) && !clashes(alloc_names) && !clashes(merger_names) &&
+                      !clashes(quant_names),
+                  "plug-in scorer '", n, "' has the name of a built-in stage");
+      plugin_names += (plugin_names.empty() ? "" : ", ") + std::string(n);
+    }
+    if (!detail::make_stage(stages[0], scorer_, static_cast<scorer_types*>(nullptr))) {
+      const External* found = nullptr;
+      for (const External& p : plugins)
+        if (p.plugin_name() == stages[0].name) found = &p;
+      KVP_REQUIRE(found, "unknown scorer '", stages[0].name, "' (valid scorers: ", scorer_names,
+                  plugin_names.empty() ? "" : "; plug-ins: ", plugin_names, ")");
+      KVP_REQUIRE(stages[0].text == stages[0].name, "plug-in scorer '", stages[0].name,
+                  "' takes no parameters (got '", stages[0].text, "')");
+      scorer_ = *found;
+    }
+    spec_ = stages[0].text;
     for (std::size_t i = 1; i < stages.size(); ++i) {
       SpecStage& st = stages[i];
       AnyAllocator a;
@@ -89,7 +120,9 @@ class Policy {
   }
 
   const std::string& spec() const { return spec_; }
+  // The scorer's spec name (a plug-in's own name for External).
   std::string_view scorer_name() const {
+    if (const auto* e = std::get_if<External>(&scorer_)) return e->plugin_name();
     return std::visit([](const auto& s) { return std::string_view(s.name); }, scorer_);
   }
   const AnyScorer& scorer() const { return scorer_; }
