@@ -1,5 +1,6 @@
 // Umbrella header: the whole host API of kvpolicy.
 #pragma once
+#include "kvpolicy/batch.hpp"
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/core/budget.hpp"
@@ -7,6 +8,7 @@
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/score_map.hpp"
 #include "kvpolicy/core/selection.hpp"
 #include "kvpolicy/cpu/attention.hpp"
@@ -14,6 +16,7 @@
 #include "kvpolicy/cpu/pooling.hpp"
 #include "kvpolicy/cpu/select.hpp"
 #include "kvpolicy/cpu/window_attention.hpp"
+#include "kvpolicy/paged.hpp"
 #include "kvpolicy/pipeline.hpp"
 #include "kvpolicy/policy.hpp"
 #include "kvpolicy/registry.hpp"

@@ -4,8 +4,10 @@
 // by a head_dim stride other than 1. Trivially copyable, so it can be passed to a kernel.
 #pragma once
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <utility>
 #include <type_traits>
 
 #include "kvpolicy/core/config.hpp"
@@ -62,9 +64,32 @@ struct KVView {
   bool rows_contiguous() const { return stride_dim == 1; }
 };
 
+namespace detail {
+// No two elements of an N-d strided view alias each other. Sufficient check: order the dims by
+// stride (extent-1 dims do not matter) and require each stride to step over the full extent of
+// the smaller ones. Extents are positive, strides were checked non-negative.
+template <std::size_t N>
+void require_no_overlap(const std::int64_t (&ext)[N], const std::int64_t (&str)[N],
+                        const char* const (&names)[N], std::string_view what) {
+  std::size_t order[N];
+  for (std::size_t i = 0; i < N; ++i) order[i] = i;
+  for (std::size_t i = 0; i < N; ++i)
+    for (std::size_t j = i + 1; j < N; ++j)
+      if (str[order[j]] < str[order[i]]) std::swap(order[i], order[j]);
+  std::int64_t span = 1;  // elements covered by the dims seen so far
+  for (std::size_t k = 0; k < N; ++k) {
+    const std::size_t d = order[k];
+    if (ext[d] == 1) continue;
+    KVP_REQUIRE(str[d] >= span, what, ": ", names[d], " stride ", str[d],
+                " overlaps the inner dimensions (needs >= ", span, ")");
+    span = str[d] * (ext[d] - 1) + span;
+  }
+}
+}  // namespace detail
+
 // Checks shape and strides: positive extents, non-negative strides, and no two elements of the
-// view aliasing each other (sufficient check: sort the strides and require each one to step over
-// the full extent of the smaller ones). `what` names the argument in the message.
+// view aliasing each other (see detail::require_no_overlap). `what` names the argument in the
+// message.
 template <class T>
 void validate(const KVView<T>& v, std::string_view what) {
   KVP_REQUIRE(v.layers >= 0 && v.heads >= 0 && v.tokens >= 0 && v.dim >= 0, what,
@@ -72,24 +97,12 @@ void validate(const KVView<T>& v, std::string_view what) {
               ", dim=", v.dim, ")");
   if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
   KVP_REQUIRE(v.data != nullptr, what, ": null data pointer");
-  std::int64_t ext[4] = {v.layers, v.heads, v.tokens, v.dim};
-  std::int64_t str[4] = {v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
-  const char* names[4] = {"layer", "head", "token", "dim"};
+  const std::int64_t ext[4] = {v.layers, v.heads, v.tokens, v.dim};
+  const std::int64_t str[4] = {v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
+  const char* const names[4] = {"layer", "head", "token", "dim"};
   for (int i = 0; i < 4; ++i)
     KVP_REQUIRE(str[i] >= 0, what, ": negative ", names[i], " stride ", str[i]);
-  // Order dimensions by stride (ignoring extent-1 dims, whose stride is irrelevant).
-  int order[4] = {0, 1, 2, 3};
-  for (int i = 0; i < 4; ++i)
-    for (int j = i + 1; j < 4; ++j)
-      if (str[order[j]] < str[order[i]]) std::swap(order[i], order[j]);
-  std::int64_t span = 1;  // elements covered by the dims seen so far
-  for (int k = 0; k < 4; ++k) {
-    int d = order[k];
-    if (ext[d] == 1) continue;
-    KVP_REQUIRE(str[d] >= span, what, ": ", names[d], " stride ", str[d],
-                " overlaps the inner dimensions (needs >= ", span, ")");
-    span = str[d] * (ext[d] - 1) + span;
-  }
+  detail::require_no_overlap(ext, str, names, what);
 }
 
 // Checks that keys/values contain only finite numbers (NaN/Inf in the cache would make every
