@@ -119,6 +119,7 @@ std::vector<PagedCompressResult> compress_paged_batch(
   detail::check_budgets(budgets, budget, seqs.size());
   KVP_REQUIRE(queries.empty() || queries.size() == seqs.size(), "queries: ", queries.size(),
               " views for ", seqs.size(), " requests (give none, or one per request)");
+  validate(keys, "keys");  // before num_blocks sizes the owner table
   std::vector<std::int32_t> owner(seqs.empty() ? 0 : static_cast<std::size_t>(keys.num_blocks),
                                   -1);
   for (std::size_t i = 0; i < seqs.size(); ++i)

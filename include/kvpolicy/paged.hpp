@@ -17,8 +17,10 @@
 //   is read before any write can reach it; that needs distinct block ids in the table (checked).
 // - Every check (shapes, table, selection, NaN/Inf) happens before the first write: on an error,
 //   kvpolicy::Error names the argument and the pool is unchanged.
-// - Scoring reads a dense copy of the sequence (paged_gather): the policies' kernels work on
-//   strided dense views, and a request's tokens are scattered over pages.
+// - Scoring reads a dense copy of the request's keys (paged_gather; L * H * length * dim elements
+//   of T, allocated per call and freed before compaction): the policies' kernels work on strided
+//   dense views, and a request's tokens are scattered over pages. Values are copied only for a
+//   policy that reads them.
 #pragma once
 #include <algorithm>
 #include <cstring>

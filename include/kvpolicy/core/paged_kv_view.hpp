@@ -4,6 +4,7 @@
 // (FlashInfer's HND) and padded pools are all one view. Trivially copyable.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <span>
