@@ -1,5 +1,6 @@
 # Install rules and the package config, so that an installed kvpolicy is found with
-#   find_package(kvpolicy CONFIG REQUIRED)          -> kvpolicy::kvpolicy (headers)
+#   find_package(kvpolicy CONFIG REQUIRED)          -> kvpolicy::kvpolicy (headers) and
+#                                                      kvpolicy::c (the C ABI shared library)
 #   find_package(kvpolicy CONFIG REQUIRED COMPONENTS cuda)   -> also kvpolicy::cuda
 # Layout under the prefix: include/kvpolicy/..., <libdir>/cmake/kvpolicy/*.cmake and, when the
 # CUDA target was built, its library in <libdir>.
@@ -24,15 +25,19 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/kvpolicy"
         PATTERN "*.inl")
 
 install(TARGETS kvpolicy EXPORT kvpolicyTargets COMPONENT kvpolicy_Development)
+# The C ABI library (kvpolicy::c).
+install(TARGETS kvpolicy_c EXPORT kvpolicyTargets
+        ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development
+        LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Runtime
+        RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT kvpolicy_Runtime)
 
 # The CUDA fast path (cuda/) only exists when KVPOLICY_CUDA is ON and a CUDA compiler was found.
 # A compiled library makes the package architecture dependent, so the version file below only
 # claims ARCH_INDEPENDENT for the header-only package.
 set(KVPOLICY_CONFIG_WITH_CUDA OFF)
-set(_kvp_arch_independent ARCH_INDEPENDENT)
+set(_kvp_arch_independent "")  # the C ABI library is compiled code
 if(TARGET kvpolicy_cuda)
   set(KVPOLICY_CONFIG_WITH_CUDA ON)
-  set(_kvp_arch_independent "")
   set_target_properties(kvpolicy_cuda PROPERTIES EXPORT_NAME cuda)  # -> kvpolicy::cuda
   install(TARGETS kvpolicy_cuda EXPORT kvpolicyTargets
           ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development

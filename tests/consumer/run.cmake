@@ -62,8 +62,10 @@ if(SOURCE_INCLUDE)
 endif()
 
 step("${CMAKE_COMMAND}" --build "${consumer_build}" --config "${CONFIG}")
-set(exe "${consumer_build}/kvpolicy_consumer")
-if(EXISTS "${consumer_build}/${CONFIG}/kvpolicy_consumer")  # multi-config generators
-  set(exe "${consumer_build}/${CONFIG}/kvpolicy_consumer")
-endif()
-step("${exe}")
+foreach(name kvpolicy_consumer kvpolicy_c_consumer)
+  set(exe "${consumer_build}/${name}")
+  if(EXISTS "${consumer_build}/${CONFIG}/${name}")  # multi-config generators
+    set(exe "${consumer_build}/${CONFIG}/${name}")
+  endif()
+  step("${exe}")
+endforeach()

@@ -1,0 +1,350 @@
+/* kvpolicy C ABI: KV-cache compression policies for engines written in C, C++, Rust or Go,
+ * without the C++ types. Library: kvpolicy::c (libkvpolicy_c).
+ *
+ * Conventions
+ * - Every call that can fail returns a kvp_status; KVP_OK is 0. On failure, kvp_last_error()
+ *   returns a message for the calling thread naming the argument or input at fault, and no
+ *   caller buffer has been modified unless the function says otherwise.
+ * - Handles (kvp_policy, kvp_session) are opaque and created from spec strings such as
+ *   "snapkv(window=32) | adakv" (see README: policies and parameters). kvp_*_destroy(NULL) is a
+ *   no-op. A handle may be used by one thread at a time; different handles are independent.
+ * - All buffers are the caller's. Tensors are strided views (kvp_tensor, strides in elements)
+ *   over host memory; the kvp_cuda_* functions take device pointers and a cudaStream_t passed
+ *   as void*.
+ * - Structs with a struct_size field must be initialized with their *_default_*() function (so
+ *   that a newer library can tell which fields an older caller knows).
+ * - Workspace queries follow the two-phase protocol of CUB: ask the size, allocate, call.
+ *   The CPU reference path keeps its scratch (scores, candidate lists) on the heap and reports
+ *   0 bytes; the CUDA functions use only the caller's workspace.
+ */
+#ifndef KVPOLICY_C_KVPOLICY_H
+#define KVPOLICY_C_KVPOLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#if defined(KVPOLICY_C_BUILDING)
+#define KVP_API __declspec(dllexport)
+#else
+#define KVP_API __declspec(dllimport)
+#endif
+#elif defined(__GNUC__)
+#define KVP_API __attribute__((visibility("default")))
+#else
+#define KVP_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status and errors ------------------------------------------------------------------- */
+
+#define KVP_ABI_VERSION 1
+
+typedef enum kvp_status {
+  KVP_OK = 0,
+  KVP_ERROR_INVALID_ARGUMENT = 1, /* null pointer, shape, stride, budget, NaN/Inf input */
+  KVP_ERROR_BAD_SPEC = 2,         /* unknown policy or parameter, stages out of order */
+  KVP_ERROR_BUFFER_TOO_SMALL = 3, /* an output or workspace below what the call needs */
+  KVP_ERROR_SHARED_BLOCK = 4,     /* paged: a compaction would write a shared block */
+  KVP_ERROR_UNSUPPORTED = 5,      /* not in this build (CUDA) or not for this policy */
+  KVP_ERROR_PLUGIN = 6,           /* a plug-in scorer failed or returned non-finite scores */
+  KVP_ERROR_CUDA = 7,             /* a CUDA runtime call or kernel launch failed */
+  KVP_ERROR_OUT_OF_MEMORY = 8,
+  KVP_ERROR_INTERNAL = 9
+} kvp_status;
+
+/* The message of the last failing call on this thread ("" if none); valid until the next
+ * kvpolicy call on this thread. */
+KVP_API const char* kvp_last_error(void);
+/* A static name for a status ("KVP_OK", ...). */
+KVP_API const char* kvp_status_string(kvp_status status);
+/* Library version "major.minor.patch" and the ABI version it implements (KVP_ABI_VERSION). */
+KVP_API const char* kvp_version(void);
+KVP_API int kvp_abi_version(void);
+
+/* ---- Tensors ----------------------------------------------------------------------------- */
+
+typedef enum kvp_dtype { KVP_F32 = 0, KVP_F16 = 1, KVP_BF16 = 2 } kvp_dtype;
+
+/* A strided 4-d view [layer][head][token][dim]; strides in elements, all >= 0, no two elements
+ * aliased. data == NULL marks an absent optional tensor. */
+typedef struct kvp_tensor {
+  void* data;
+  kvp_dtype dtype;
+  int64_t layers, heads, tokens, dim;
+  int64_t stride_layer, stride_head, stride_token, stride_dim;
+} kvp_tensor;
+
+/* Contiguous [layer][head][token][dim] (HND) and [layer][token][head][dim] (NHD) views. */
+KVP_API kvp_tensor kvp_tensor_hnd(void* data, kvp_dtype dtype, int64_t layers, int64_t heads,
+                                  int64_t tokens, int64_t dim);
+KVP_API kvp_tensor kvp_tensor_nhd(void* data, kvp_dtype dtype, int64_t layers, int64_t heads,
+                                  int64_t tokens, int64_t dim);
+
+/* ---- Budgets and parameters -------------------------------------------------------------- */
+
+typedef enum kvp_budget_kind {
+  KVP_BUDGET_RATIO = 0,    /* keep round(value * tokens) per (layer, KV head); value in [0, 1] */
+  KVP_BUDGET_PER_HEAD = 1, /* keep value tokens per (layer, KV head) */
+  KVP_BUDGET_TOTAL = 2     /* keep value tokens over all (layer, KV head) rows */
+} kvp_budget_kind;
+
+typedef struct kvp_budget {
+  kvp_budget_kind kind;
+  double value;
+} kvp_budget;
+
+typedef struct kvp_compress_params {
+  uint32_t struct_size;
+  kvp_budget budget;     /* default: ratio 0.5 */
+  int compact;           /* nonzero (default): compact keys/values in place; 0: select only */
+  int threads;           /* OpenMP threads of the CPU path; <= 0 (default): OpenMP's default */
+} kvp_compress_params;
+
+KVP_API kvp_compress_params kvp_compress_default_params(void);
+
+/* ---- Plug-in scorers --------------------------------------------------------------------- */
+
+/* What a plug-in reads, besides the keys it always gets (bit flags). */
+#define KVP_NEEDS_VALUES 2u
+#define KVP_NEEDS_QUERIES 4u
+
+typedef struct kvp_score_args {
+  kvp_tensor keys;    /* [L][Hkv][T][d], the caller's dtype */
+  kvp_tensor values;  /* data == NULL unless the plug-in needs values */
+  kvp_tensor queries; /* [L][Hq][n][d], the last n <= query_window queries; data may be NULL */
+  float* scores;      /* output, fp32 [L][Hkv][T] contiguous: higher = keep; fill every entry */
+} kvp_score_args;
+
+/* A scorer written outside the library. It takes the place of a built-in scorer: its name is
+ * the first stage of a spec ("mine | adakv"); allocators, selection and compaction are the
+ * library's. Required: name, score. Optional (NULL): reset, clone, free. */
+typedef struct kvp_scorer_plugin {
+  uint32_t struct_size; /* kvp_scorer_plugin_default() sets it */
+  void* state;          /* passed to every callback */
+  /* The spec name: [a-z0-9_]+, not a built-in stage's name. Copied at policy creation. */
+  const char* (*name)(const void* state);
+  /* Fill args->scores; return 0 on success, anything else fails the call with
+   * KVP_ERROR_PLUGIN (kvp_plugin_set_error() adds a message). Called on the thread that called
+   * kvp_compress / kvp_session_*, never concurrently for one policy handle. */
+  int (*score)(void* state, const kvp_score_args* args);
+  /* A new sequence starts (kvp_policy_reset, kvp_session_create). */
+  void (*reset)(void* state);
+  /* A deep copy of the state, for kvp_policy_clone; NULL: clones share the state. Returns NULL
+   * on failure. */
+  void* (*clone)(const void* state);
+  /* Releases the state when the last policy holding it is destroyed. */
+  void (*free)(void* state);
+  uint32_t needs;       /* KVP_NEEDS_* bits */
+  int64_t query_window; /* queries it reads: 0 none (default), n the last n, -1 every one given */
+  int64_t sinks;        /* first tokens always kept (count toward the budget); default 0 */
+  int64_t recent;       /* last tokens always kept; default 0 */
+} kvp_scorer_plugin;
+
+KVP_API kvp_scorer_plugin kvp_scorer_plugin_default(void);
+/* From inside a score callback: the message kvp_last_error() will carry with KVP_ERROR_PLUGIN. */
+KVP_API void kvp_plugin_set_error(const char* message);
+
+/* ---- Policies ---------------------------------------------------------------------------- */
+
+typedef struct kvp_policy kvp_policy;
+
+KVP_API kvp_status kvp_policy_create(const char* spec, kvp_policy** out);
+/* Like kvp_policy_create, with plug-in scorers the spec may name. On success the policy owns the
+ * state of the plug-in its spec uses (its free callback runs when the last policy holding it is
+ * destroyed); the others stay the caller's. On failure nothing is owned. */
+KVP_API kvp_status kvp_policy_create_with_plugins(const char* spec,
+                                                  const kvp_scorer_plugin* plugins,
+                                                  size_t num_plugins, kvp_policy** out);
+/* An independent copy (a plug-in state is cloned when the plug-in has a clone callback). */
+KVP_API kvp_status kvp_policy_clone(const kvp_policy* policy, kvp_policy** out);
+KVP_API void kvp_policy_destroy(kvp_policy* policy);
+/* Calls the plug-in's reset, if any (no-op for built-in scorers). */
+KVP_API kvp_status kvp_policy_reset(kvp_policy* policy);
+
+typedef struct kvp_policy_info {
+  const char* spec;        /* canonical spec, owned by the policy */
+  const char* scorer;      /* scorer name, owned by the policy */
+  uint32_t needs;          /* KVP_NEEDS_* bits of the scorer and allocators */
+  int64_t query_window;    /* queries read: 0 none, -1 every query given, n the last n */
+  int decode_time;         /* 1: evicts at every decode step (h2o) */
+  int has_merger;          /* 1: a merger stage (needs a session) */
+  int has_quantizer;       /* 1: a quantizer stage (needs a session) */
+} kvp_policy_info;
+
+KVP_API kvp_status kvp_policy_get_info(const kvp_policy* policy, kvp_policy_info* out);
+
+/* ---- Dense compression ------------------------------------------------------------------- */
+
+/* Output of a selection, caller-owned: per (layer, KV head) row r = layer * heads + head,
+ * counts[r] kept tokens whose indices (ascending) are indices[r * capacity ...]. indices may be
+ * NULL (counts only); otherwise capacity must be >= the number of tokens. */
+typedef struct kvp_selection {
+  int64_t layers, heads, capacity;
+  int64_t* counts;  /* [layers * heads] */
+  int32_t* indices; /* [layers * heads * capacity] or NULL */
+} kvp_selection;
+
+/* 0 on the CPU path (see Conventions). */
+KVP_API kvp_status kvp_compress_workspace_size(const kvp_policy* policy, const kvp_tensor* keys,
+                                               const kvp_compress_params* params,
+                                               size_t* bytes);
+
+/* One compression event over a whole cache: select per (layer, KV head) with the policy, then
+ * (params->compact) move the kept rows of keys and values to the front of each row, in place.
+ * keys, values: [L][Hkv][T][d], same dtype; values may be NULL for a selection-only call whose
+ * policy does not read them. queries: [L][Hq][n][d], the last n queries (NULL if the policy reads
+ * none). Everything is checked before the first write. Policies with a merger or quantizer
+ * stage need a session (KVP_ERROR_UNSUPPORTED). */
+KVP_API kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_params* params,
+                                const kvp_tensor* keys, const kvp_tensor* values,
+                                const kvp_tensor* queries, void* workspace,
+                                size_t workspace_bytes, kvp_selection* out);
+
+/* A sequence of a dense batch. Layers, heads and head_dim must agree across the batch; token
+ * counts may differ. budget: NULL for params->budget. */
+typedef struct kvp_sequence {
+  kvp_tensor keys, values, queries; /* values/queries: data NULL when absent */
+  const kvp_budget* budget;
+} kvp_sequence;
+
+/* Compresses every sequence (same result as one kvp_compress per sequence). All sequences are
+ * checked before any is written: on error none is modified. out: one selection per sequence
+ * (may be NULL when params->compact is set and the selections are not wanted). */
+KVP_API kvp_status kvp_compress_batch(const kvp_policy* policy, const kvp_compress_params* params,
+                                      const kvp_sequence* seqs, size_t num_seqs,
+                                      kvp_selection* out);
+
+/* ---- Paged KV ---------------------------------------------------------------------------- */
+
+typedef enum kvp_layout { KVP_LAYOUT_NHD = 0, KVP_LAYOUT_HND = 1 } kvp_layout;
+
+/* A pool of fixed-size pages (blocks) of page_size tokens; strides in elements. */
+typedef struct kvp_paged_tensor {
+  void* data;
+  kvp_dtype dtype;
+  int64_t num_blocks, layers, heads, page_size, dim;
+  int64_t stride_layer, stride_block, stride_head, stride_token, stride_dim;
+} kvp_paged_tensor;
+
+/* Contiguous pools: NHD pages [layer][block][token][head][dim] (vLLM), HND pages
+ * [layer][block][head][token][dim] (FlashInfer's HND). */
+KVP_API kvp_paged_tensor kvp_paged_tensor_make(kvp_layout layout, void* data, kvp_dtype dtype,
+                                               int64_t num_blocks, int64_t layers,
+                                               int64_t heads, int64_t page_size, int64_t dim);
+
+/* One request: its block table (logical page i -> block id, distinct ids), its length in
+ * tokens, its last queries (data NULL if none) and budget (NULL: params->budget). */
+typedef struct kvp_paged_sequence {
+  const int32_t* block_table;
+  int64_t num_pages; /* entries in block_table, >= ceil(length / page_size) */
+  int64_t length;
+  kvp_tensor queries;
+  const kvp_budget* budget;
+} kvp_paged_sequence;
+
+/* Per request, caller-owned. The kept tokens of each (layer, head) move to the front of the
+ * request's own blocks (ids never change): the table keeps its first pages_used entries and the
+ * blocks of the emptied entries are listed in freed_blocks. With per-head budgets (adakv) heads
+ * keep different counts: new_length is the largest, and head r's rows past lengths[r] are stale
+ * (mask them). compacted == 0 means a shared block would have been written: nothing was written
+ * for this request, and the call returns KVP_ERROR_SHARED_BLOCK after the other requests. */
+typedef struct kvp_paged_result {
+  int64_t new_length;
+  int64_t pages_used;
+  int32_t* freed_blocks;   /* caller buffer of freed_capacity entries (>= num_pages is enough) */
+  int64_t freed_capacity;
+  int64_t num_freed;
+  int64_t* lengths;        /* [layers * heads] or NULL */
+  int compacted;
+} kvp_paged_result;
+
+/* Compresses requests of one pool. shared: NULL, or one flag per block id (nonzero: read-only,
+ * e.g. a prefix-cache block; it is never written). Every request is checked before any write
+ * (including that no block id appears in two tables). */
+KVP_API kvp_status kvp_compress_paged(const kvp_policy* policy, const kvp_compress_params* params,
+                                      const kvp_paged_tensor* keys,
+                                      const kvp_paged_tensor* values, const uint8_t* shared,
+                                      const kvp_paged_sequence* seqs, size_t num_seqs,
+                                      kvp_paged_result* results);
+
+/* ---- Sessions (decode loops) ------------------------------------------------------------- */
+
+typedef struct kvp_session kvp_session;
+
+typedef struct kvp_session_config {
+  uint32_t struct_size;
+  int64_t layers, kv_heads, q_heads, head_dim; /* required */
+  kvp_budget budget;                           /* after prefill; default ratio 1 (keep all) */
+  int64_t initial_capacity;                    /* tokens per head; default 256 */
+  int64_t decode_interval;                     /* 0: the policy's default (see README) */
+  int has_decode_target;                       /* 1: use decode_target */
+  kvp_budget decode_target;
+  int threads;                                 /* <= 0: OpenMP's default */
+} kvp_session_config;
+
+KVP_API kvp_session_config kvp_session_default_config(void);
+
+/* A float32 KV cache of one sequence that compresses itself with the policy (prefill budget,
+ * then decode-time targets), merges and quantizes when the policy says so. The session keeps a
+ * copy of the policy. */
+KVP_API kvp_status kvp_session_create(const kvp_policy* policy, const kvp_session_config* config,
+                                      kvp_session** out);
+KVP_API void kvp_session_destroy(kvp_session* session);
+/* n new tokens of `layer`: k, v [1][Hkv][n][d], q [1][Hq][n][d] (NULL if the policy reads no
+ * queries), all float32. */
+KVP_API kvp_status kvp_session_append(kvp_session* session, int64_t layer, const kvp_tensor* k,
+                                      const kvp_tensor* v, const kvp_tensor* q);
+/* Causal attention of q [1][Hq][n][d] (the last n appended tokens) over the layer's cache:
+ * out float32 [Hq][n][d], out_len = Hq * n * d. */
+KVP_API kvp_status kvp_session_attend(kvp_session* session, int64_t layer, const kvp_tensor* q,
+                                      float* out, size_t out_len);
+/* Compresses `layer` if due (prefill, then every decode interval); *compressed (may be NULL) is
+ * set to 1 if it did. */
+KVP_API kvp_status kvp_session_compress_if_due(kvp_session* session, int64_t layer,
+                                               int* compressed);
+/* Tokens held by each KV head of `layer`: out [kv_heads]. */
+KVP_API kvp_status kvp_session_lengths(const kvp_session* session, int64_t layer, int64_t* out,
+                                       size_t n);
+/* Copies the kept rows of (layer, head): keys/values [length][d] float32 and their original
+ * positions [length]; any output may be NULL; capacity_tokens is the room in each. A quantized
+ * layer has no float rows (KVP_ERROR_UNSUPPORTED; positions still work). */
+KVP_API kvp_status kvp_session_read(const kvp_session* session, int64_t layer, int64_t head,
+                                    float* keys, float* values, int32_t* positions,
+                                    int64_t capacity_tokens);
+/* Bytes of K/V the valid tokens hold (packed bytes for quantized layers). */
+KVP_API kvp_status kvp_session_kv_bytes(const kvp_session* session, size_t* out);
+
+/* ---- CUDA (device pointers; KVP_ERROR_UNSUPPORTED in a build without CUDA) --------------- */
+
+/* Visible CUDA devices; 0 without CUDA, a driver or a device. */
+KVP_API int kvp_cuda_device_count(void);
+
+/* Device CSR selection: row r's ascending indices are indices[offsets[r] .. offsets[r+1]). */
+typedef struct kvp_csr {
+  int64_t layers, heads;
+  int64_t* offsets; /* [layers * heads + 1] */
+  int32_t* indices; /* [capacity] */
+  int64_t capacity;
+} kvp_csr;
+
+KVP_API kvp_status kvp_cuda_select_workspace_size(int64_t rows, int64_t tokens, size_t* bytes);
+/* Batched top-k of fp32 scores [layers][heads][tokens] (row r at scores + r * row_stride) with
+ * protected sinks/recent tokens; budgets on the host, one per row. Asynchronous on `stream`. */
+KVP_API kvp_status kvp_cuda_select(const float* scores, int64_t layers, int64_t heads,
+                                   int64_t tokens, int64_t row_stride, const int64_t* budgets,
+                                   int64_t sinks, int64_t recent, void* workspace,
+                                   size_t workspace_bytes, void* stream, kvp_csr* out);
+KVP_API kvp_status kvp_cuda_compact_workspace_size(const kvp_tensor* kv, size_t* bytes);
+/* In-place gather-compact of a device tensor with a device CSR selection. */
+KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selection,
+                                    void* workspace, size_t workspace_bytes, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVPOLICY_C_KVPOLICY_H */

@@ -1,0 +1,573 @@
+// C ABI: errors, tensors, plug-in scorers, policies, dense compression, sessions and the CUDA
+// entry points. Paged compaction and batches: c_paged.cpp. Every entry point is noexcept at the
+// boundary (capi::guard) and checks all of its arguments before it writes anything.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "c/c_internal.hpp"
+#include "kvpolicy/session.hpp"
+#if defined(KVPOLICY_WITH_CUDA)
+#include "kvpolicy/cuda/compact.hpp"
+#include "kvpolicy/cuda/runtime.hpp"
+#include "kvpolicy/cuda/select.hpp"
+#endif
+
+using namespace kvpolicy;
+using namespace kvpolicy::capi;
+
+namespace {
+thread_local std::string t_error;
+thread_local std::string t_plugin_error;
+}  // namespace
+
+namespace kvpolicy::capi {
+void set_error(const std::string& message) { t_error = message; }
+void clear_error() {
+  t_error.clear();
+  t_plugin_error.clear();
+}
+std::string take_plugin_error() { return std::exchange(t_plugin_error, {}); }
+}  // namespace kvpolicy::capi
+
+// ---- Status and errors -------------------------------------------------------------------
+
+extern "C" const char* kvp_last_error(void) { return t_error.c_str(); }
+
+extern "C" const char* kvp_status_string(kvp_status status) {
+  switch (raw_enum(status)) {
+    case KVP_OK: return "KVP_OK";
+    case KVP_ERROR_INVALID_ARGUMENT: return "KVP_ERROR_INVALID_ARGUMENT";
+    case KVP_ERROR_BAD_SPEC: return "KVP_ERROR_BAD_SPEC";
+    case KVP_ERROR_BUFFER_TOO_SMALL: return "KVP_ERROR_BUFFER_TOO_SMALL";
+    case KVP_ERROR_SHARED_BLOCK: return "KVP_ERROR_SHARED_BLOCK";
+    case KVP_ERROR_UNSUPPORTED: return "KVP_ERROR_UNSUPPORTED";
+    case KVP_ERROR_PLUGIN: return "KVP_ERROR_PLUGIN";
+    case KVP_ERROR_CUDA: return "KVP_ERROR_CUDA";
+    case KVP_ERROR_OUT_OF_MEMORY: return "KVP_ERROR_OUT_OF_MEMORY";
+    case KVP_ERROR_INTERNAL: return "KVP_ERROR_INTERNAL";
+  }
+  return "KVP_ERROR_UNKNOWN_STATUS";
+}
+
+extern "C" const char* kvp_version(void) { return KVPOLICY_VERSION_STRING; }
+extern "C" int kvp_abi_version(void) { return KVP_ABI_VERSION; }
+
+// ---- Tensors and parameters -----------------------------------------------------------------
+
+extern "C" kvp_tensor kvp_tensor_hnd(void* data, kvp_dtype dtype, int64_t L, int64_t H,
+                                     int64_t T, int64_t D) {
+  return {data, dtype, L, H, T, D, H * T * D, T * D, D, 1};
+}
+extern "C" kvp_tensor kvp_tensor_nhd(void* data, kvp_dtype dtype, int64_t L, int64_t H,
+                                     int64_t T, int64_t D) {
+  return {data, dtype, L, H, T, D, T * H * D, D, H * D, 1};
+}
+
+extern "C" kvp_compress_params kvp_compress_default_params(void) {
+  kvp_compress_params p{};
+  p.struct_size = sizeof(kvp_compress_params);
+  p.budget = {KVP_BUDGET_RATIO, 0.5};
+  p.compact = 1;
+  p.threads = 0;
+  return p;
+}
+
+// ---- Plug-in scorers --------------------------------------------------------------------------
+
+extern "C" kvp_scorer_plugin kvp_scorer_plugin_default(void) {
+  kvp_scorer_plugin p{};
+  p.struct_size = sizeof(kvp_scorer_plugin);
+  return p;
+}
+
+extern "C" void kvp_plugin_set_error(const char* message) {
+  t_plugin_error = message ? message : "";
+}
+
+namespace {
+
+kvp_tensor to_c(const ErasedView& v) {
+  kvp_tensor t{};
+  t.data = const_cast<void*>(v.data);
+  t.dtype = v.dtype == DType::f32 ? KVP_F32 : v.dtype == DType::f16 ? KVP_F16 : KVP_BF16;
+  t.layers = v.layers, t.heads = v.heads, t.tokens = v.tokens, t.dim = v.dim;
+  t.stride_layer = v.stride_layer, t.stride_head = v.stride_head;
+  t.stride_token = v.stride_token, t.stride_dim = v.stride_dim;
+  return t;
+}
+
+// The C++ scorer that calls a plug-in's callbacks.
+External make_external(const std::shared_ptr<kvp_plugin_holder>& h) {
+  External::Spec s;
+  s.name = h->name;
+  s.needs = Needs::keys;
+  if (h->fns.needs & KVP_NEEDS_VALUES) s.needs = s.needs | Needs::values;
+  if (h->fns.needs & KVP_NEEDS_QUERIES) s.needs = s.needs | Needs::queries;
+  s.query_window = h->fns.query_window;
+  s.protect = {h->fns.sinks, h->fns.recent};
+  s.score = [h](const ExternalInputs& in, std::span<float> scores) {
+    kvp_score_args a{};
+    a.keys = to_c(in.keys);
+    a.values = to_c(in.values);
+    a.queries = to_c(in.queries);
+    a.scores = scores.data();
+    t_plugin_error.clear();
+    const int rc = h->fns.score(h->fns.state, &a);
+    if (rc != 0) {
+      std::string msg = "plug-in scorer '" + h->name + "' failed (returned " +
+                        std::to_string(rc) + ")";
+      const std::string detail = take_plugin_error();
+      if (!detail.empty()) msg += ": " + detail;
+      throw PluginError(msg);
+    }
+  };
+  return External(std::move(s));
+}
+
+// Validates a plug-in description and copies it into a holder that does not own the state yet
+// (fns.free is set only once a policy has taken ownership).
+std::shared_ptr<kvp_plugin_holder> make_holder(const kvp_scorer_plugin& p, std::size_t i) {
+  const std::string what = "plugins[" + std::to_string(i) + "]";
+  check_struct(p.struct_size, sizeof(kvp_scorer_plugin), what.c_str());
+  KVP_REQUIRE(p.name != nullptr, what, ".name is NULL");
+  KVP_REQUIRE(p.score != nullptr, what, ".score is NULL");
+  KVP_REQUIRE((p.needs & ~(KVP_NEEDS_VALUES | KVP_NEEDS_QUERIES)) == 0, what, ".needs has unknown bits (",
+              p.needs, ")");
+  const char* name = p.name(p.state);
+  KVP_REQUIRE(name != nullptr, what, ".name() returned NULL");
+  auto h = std::make_shared<kvp_plugin_holder>();
+  h->fns = p;
+  h->fns.free = nullptr;
+  h->name = name;
+  return h;
+}
+
+kvp_policy* new_policy(Policy policy, std::shared_ptr<kvp_plugin_holder> plugin) {
+  auto* out = new kvp_policy{std::move(policy), std::move(plugin), {}, {}};
+  out->spec = out->policy.spec();
+  out->scorer = std::string(out->policy.scorer_name());
+  return out;
+}
+
+}  // namespace
+
+// ---- Policies -------------------------------------------------------------------------------
+
+extern "C" kvp_status kvp_policy_create(const char* spec, kvp_policy** out) {
+  return kvp_policy_create_with_plugins(spec, nullptr, 0, out);
+}
+
+extern "C" kvp_status kvp_policy_create_with_plugins(const char* spec,
+                                                     const kvp_scorer_plugin* plugins,
+                                                     size_t num_plugins, kvp_policy** out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    *out = nullptr;
+    KVP_C_NONNULL(spec, "spec");
+    KVP_REQUIRE(num_plugins == 0 || plugins != nullptr, "plugins is NULL but num_plugins is ",
+                num_plugins);
+    std::vector<std::shared_ptr<kvp_plugin_holder>> holders;
+    std::vector<External> externals;
+    for (std::size_t i = 0; i < num_plugins; ++i) {
+      holders.push_back(make_holder(plugins[i], i));
+      for (std::size_t j = 0; j < i; ++j)
+        KVP_REQUIRE(holders[j]->name != holders[i]->name, "plugins[", j, "] and plugins[", i,
+                    "] are both named '", holders[i]->name, "' (a name may appear only once)");
+      externals.push_back(make_external(holders.back()));
+    }
+    std::optional<Policy> policy;
+    try {
+      policy.emplace(spec, externals);
+    } catch (const Error& e) {
+      raise(KVP_ERROR_BAD_SPEC, e.what());
+    }
+    std::shared_ptr<kvp_plugin_holder> used;
+    if (std::holds_alternative<External>(policy->scorer()))
+      for (std::size_t i = 0; i < holders.size(); ++i)
+        if (holders[i]->name == policy->scorer_name()) {
+          used = holders[i];
+          used->fns.free = plugins[i].free;  // owned from here on
+        }
+    *out = new_policy(std::move(*policy), std::move(used));
+  });
+}
+
+extern "C" kvp_status kvp_policy_clone(const kvp_policy* policy, kvp_policy** out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    *out = nullptr;
+    KVP_C_NONNULL(policy, "policy");
+    if (!policy->plugin || !policy->plugin->fns.clone) {
+      *out = new_policy(policy->policy, policy->plugin);
+      return;
+    }
+    auto h = std::make_shared<kvp_plugin_holder>();
+    h->fns = policy->plugin->fns;
+    h->name = policy->plugin->name;
+    h->fns.free = nullptr;
+    h->fns.state = policy->plugin->fns.clone(policy->plugin->fns.state);
+    KVP_REQUIRE(h->fns.state != nullptr || policy->plugin->fns.state == nullptr,
+                "plug-in scorer '", h->name, "': clone() returned NULL");
+    h->fns.free = policy->plugin->fns.free;
+    std::vector<External> ext{make_external(h)};
+    *out = new_policy(Policy(policy->spec, ext), std::move(h));
+  });
+}
+
+extern "C" void kvp_policy_destroy(kvp_policy* policy) { delete policy; }
+
+extern "C" kvp_status kvp_policy_reset(kvp_policy* policy) {
+  return guard([&] {
+    KVP_C_NONNULL(policy, "policy");
+    if (policy->plugin && policy->plugin->fns.reset)
+      policy->plugin->fns.reset(policy->plugin->fns.state);
+  });
+}
+
+extern "C" kvp_status kvp_policy_get_info(const kvp_policy* policy, kvp_policy_info* out) {
+  return guard([&] {
+    KVP_C_NONNULL(policy, "policy");
+    KVP_C_NONNULL(out, "out");
+    const Policy& p = policy->policy;
+    kvp_policy_info info{};
+    info.spec = policy->spec.c_str();
+    info.scorer = policy->scorer.c_str();
+    if (has(p.needs(), Needs::values)) info.needs |= KVP_NEEDS_VALUES;
+    if (has(p.needs(), Needs::queries) || p.query_window() != 0) info.needs |= KVP_NEEDS_QUERIES;
+    info.query_window = p.query_window();
+    info.decode_time = p.decode_time() ? 1 : 0;
+    info.has_merger = p.merger() ? 1 : 0;
+    info.has_quantizer = p.quantizer() ? 1 : 0;
+    *out = info;
+  });
+}
+
+// ---- Dense compression ----------------------------------------------------------------------
+
+namespace kvpolicy::capi {
+
+void check_selection_out(const kvp_selection& out, std::int64_t L, std::int64_t H,
+                         std::int64_t T, const char* what) {
+  KVP_REQUIRE(out.layers == L && out.heads == H, what, " is [", out.layers, ",", out.heads,
+              "] but the keys have [", L, ",", H, "] layers x heads");
+  KVP_REQUIRE(L * H == 0 || out.counts != nullptr, what, ".counts is NULL");
+  if (out.indices && out.capacity < T)
+    raise(KVP_ERROR_BUFFER_TOO_SMALL, std::string("kvpolicy: ") + what + ".capacity is " +
+                                          std::to_string(out.capacity) + " but a row may keep " +
+                                          std::to_string(T) + " tokens");
+}
+
+void write_selection(const Selection& sel, kvp_selection& out) {
+  for (std::int64_t l = 0; l < sel.layers(); ++l)
+    for (std::int64_t h = 0; h < sel.heads(); ++h) {
+      const std::int64_t r = l * sel.heads() + h;
+      auto k = sel.kept(l, h);
+      out.counts[r] = static_cast<std::int64_t>(k.size());
+      if (out.indices) std::copy(k.begin(), k.end(), out.indices + r * out.capacity);
+    }
+}
+
+}  // namespace kvpolicy::capi
+
+extern "C" kvp_status kvp_compress_workspace_size(const kvp_policy* policy, const kvp_tensor* keys,
+                                                  const kvp_compress_params* params,
+                                                  size_t* bytes) {
+  return guard([&] {
+    KVP_C_NONNULL(policy, "policy");
+    KVP_C_NONNULL(keys, "keys");
+    KVP_C_NONNULL(bytes, "bytes");
+    kvp_compress_params storage;
+    params_or_default(params, storage);
+    *bytes = 0;
+  });
+}
+
+extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_params* params,
+                                   const kvp_tensor* keys, const kvp_tensor* values,
+                                   const kvp_tensor* queries, void*, size_t,
+                                   kvp_selection* out) {
+  return guard([&] {
+    KVP_C_NONNULL(policy, "policy");
+    KVP_C_NONNULL(keys, "keys");
+    KVP_C_NONNULL(out, "out");
+    kvp_compress_params storage;
+    const kvp_compress_params& prm = params_or_default(params, storage);
+    const Policy& p = policy->policy;
+    require_policy_stages_dense(p, "kvp_compress");
+    const Budget budget = budget_from(prm.budget, "params.budget");
+    dispatch(keys->dtype, "keys", [&](auto tag) {
+      using T = decltype(tag);
+      const KVView<T> k = view_of<T>(*keys, "keys");
+      KVView<T> v;
+      if (values && values->data) v = view_of<T>(*values, "values");
+      KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
+                  "values to compact, or compact = 0 to select only)");
+      Inputs<T> in;
+      in.keys = k;
+      in.values = v;
+      if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+      check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
+      detail::require_finite_inputs(in);
+      const cpu_backend be{prm.threads};
+      Selection sel = p.select(be, in, budget);
+      if (prm.compact) detail::compact_kv(be, k, v, sel);
+      write_selection(sel, *out);
+    });
+  });
+}
+
+// ---- Sessions -------------------------------------------------------------------------------
+
+struct kvp_session {
+  Session<float> session;
+  std::shared_ptr<kvp_plugin_holder> plugin;  // keeps a plug-in scorer alive
+};
+
+extern "C" kvp_session_config kvp_session_default_config(void) {
+  kvp_session_config c{};
+  c.struct_size = sizeof(kvp_session_config);
+  c.budget = {KVP_BUDGET_RATIO, 1.0};
+  c.initial_capacity = 256;
+  c.decode_target = {KVP_BUDGET_RATIO, 1.0};
+  return c;
+}
+
+extern "C" kvp_status kvp_session_create(const kvp_policy* policy, const kvp_session_config* config,
+                                         kvp_session** out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    *out = nullptr;
+    KVP_C_NONNULL(policy, "policy");
+    KVP_C_NONNULL(config, "config");
+    check_struct(config->struct_size, sizeof(kvp_session_config), "config");
+    SessionConfig c;
+    c.layers = config->layers;
+    c.kv_heads = config->kv_heads;
+    c.q_heads = config->q_heads;
+    c.head_dim = config->head_dim;
+    c.budget = budget_from(config->budget, "config.budget");
+    c.initial_capacity = config->initial_capacity;
+    c.decode_interval = config->decode_interval;
+    if (config->has_decode_target)
+      c.decode_target = budget_from(config->decode_target, "config.decode_target");
+    c.backend.threads = config->threads;
+    auto s = std::make_unique<kvp_session>(kvp_session{Session<float>(policy->policy, c),
+                                                       policy->plugin});
+    if (policy->plugin && policy->plugin->fns.reset)
+      policy->plugin->fns.reset(policy->plugin->fns.state);
+    *out = s.release();
+  });
+}
+
+extern "C" void kvp_session_destroy(kvp_session* session) { delete session; }
+
+namespace {
+void check_layer(const kvp_session* s, int64_t layer) {
+  KVP_REQUIRE(layer >= 0 && layer < s->session.config().layers, "layer ", layer,
+              " is outside [0, ", s->session.config().layers, ")");
+}
+}  // namespace
+
+extern "C" kvp_status kvp_session_append(kvp_session* session, int64_t layer, const kvp_tensor* k,
+                                         const kvp_tensor* v, const kvp_tensor* q) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    KVP_C_NONNULL(k, "k");
+    KVP_C_NONNULL(v, "v");
+    check_layer(session, layer);
+    KVView<const float> qv;
+    if (q && q->data) qv = view_of<const float>(*q, "q");
+    const KVView<const float> kv = view_of<const float>(*k, "k");
+    const KVView<const float> vv = view_of<const float>(*v, "v");
+    require_finite(kv, "k");
+    require_finite(vv, "v");
+    if (qv.data) require_finite(qv, "q");
+    session->session.append(layer, kv, vv, qv);
+  });
+}
+
+extern "C" kvp_status kvp_session_attend(kvp_session* session, int64_t layer, const kvp_tensor* q,
+                                         float* out, size_t out_len) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    KVP_C_NONNULL(q, "q");
+    KVP_C_NONNULL(out, "out");
+    check_layer(session, layer);
+    const KVView<const float> qv = view_of<const float>(*q, "q");
+    const auto need = static_cast<std::size_t>(qv.heads * qv.tokens * qv.dim);
+    if (out_len < need)
+      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(out_len) +
+                                            " floats but the attention output needs " +
+                                            std::to_string(need) + " (Hq * n * d)");
+    require_finite(qv, "q");
+    session->session.attend(layer, qv, out);
+  });
+}
+
+extern "C" kvp_status kvp_session_compress_if_due(kvp_session* session, int64_t layer,
+                                                  int* compressed) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    check_layer(session, layer);
+    const bool c = session->session.compress_if_due(layer);
+    if (compressed) *compressed = c ? 1 : 0;
+  });
+}
+
+extern "C" kvp_status kvp_session_lengths(const kvp_session* session, int64_t layer, int64_t* out,
+                                          size_t n) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    KVP_C_NONNULL(out, "out");
+    check_layer(session, layer);
+    auto len = session->session.lengths(layer);
+    if (n < len.size())
+      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(n) +
+                                            " entries but the layer has " +
+                                            std::to_string(len.size()) + " KV heads");
+    std::copy(len.begin(), len.end(), out);
+  });
+}
+
+extern "C" kvp_status kvp_session_read(const kvp_session* session, int64_t layer, int64_t head,
+                                       float* keys, float* values, int32_t* positions,
+                                       int64_t capacity_tokens) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    check_layer(session, layer);
+    const Session<float>& s = session->session;
+    KVP_REQUIRE(head >= 0 && head < s.config().kv_heads, "head ", head, " is outside [0, ",
+                s.config().kv_heads, ")");
+    const std::int64_t n = s.length(layer, head), d = s.config().head_dim;
+    if (capacity_tokens < n)
+      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: capacity_tokens is " +
+                                            std::to_string(capacity_tokens) + " but (layer " +
+                                            std::to_string(layer) + ", head " +
+                                            std::to_string(head) + ") holds " +
+                                            std::to_string(n) + " tokens");
+    if ((keys || values) && s.quantized(layer))
+      raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: layer " + std::to_string(layer) +
+                                       " is quantized: it holds packed codes, not float rows");
+    auto copy_rows = [&](const KVView<const float>& v, float* dst) {
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t i = 0; i < d; ++i) dst[t * d + i] = v.at(0, head, t, i);
+    };
+    if (keys) copy_rows(s.keys(layer), keys);
+    if (values) copy_rows(s.values(layer), values);
+    if (positions) {
+      auto pos = s.positions(layer, head);
+      std::copy(pos.begin(), pos.end(), positions);
+    }
+  });
+}
+
+extern "C" kvp_status kvp_session_kv_bytes(const kvp_session* session, size_t* out) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    KVP_C_NONNULL(out, "out");
+    *out = session->session.kv_bytes();
+  });
+}
+
+// ---- CUDA -------------------------------------------------------------------------------------
+
+#if defined(KVPOLICY_WITH_CUDA)
+namespace {
+cuda::CsrSelection csr_of(const kvp_csr& c) {
+  return {c.layers, c.heads, c.offsets, c.indices, c.capacity};
+}
+}  // namespace
+
+extern "C" int kvp_cuda_device_count(void) { return cuda::device_count(); }
+
+extern "C" kvp_status kvp_cuda_select_workspace_size(int64_t rows, int64_t tokens, size_t* bytes) {
+  return guard([&] {
+    KVP_C_NONNULL(bytes, "bytes");
+    KVP_REQUIRE(rows >= 0 && tokens >= 0, "negative rows (", rows, ") or tokens (", tokens, ")");
+    *bytes = cuda::select_workspace_bytes(rows, tokens);
+  });
+}
+
+extern "C" kvp_status kvp_cuda_select(const float* scores, int64_t layers, int64_t heads,
+                                      int64_t tokens, int64_t row_stride, const int64_t* budgets,
+                                      int64_t sinks, int64_t recent, void* workspace,
+                                      size_t workspace_bytes, void* stream, kvp_csr* out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    KVP_REQUIRE(layers * heads == 0 || budgets, "budgets is NULL");
+    KVP_REQUIRE(sinks >= 0 && recent >= 0, "negative sinks (", sinks, ") or recent (", recent,
+                ")");
+    const std::size_t need = cuda::select_workspace_bytes(layers * heads, tokens);
+    if (workspace_bytes < need)
+      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: workspace_bytes is " +
+                                            std::to_string(workspace_bytes) + " but select needs " +
+                                            std::to_string(need));
+    const cuda_backend be{stream, workspace, workspace_bytes};
+    cuda::ScoreView sv{scores, layers, heads, tokens, row_stride};
+    cuda::CsrSelection sel = csr_of(*out);
+    const std::span<const std::int64_t> b(budgets, static_cast<std::size_t>(layers * heads));
+    try {
+      cuda::select(be, sv, b, Protect{sinks, recent}, sel);
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("CUDA error") != std::string::npos)
+        raise(KVP_ERROR_CUDA, e.what());
+      throw;
+    }
+  });
+}
+
+extern "C" kvp_status kvp_cuda_compact_workspace_size(const kvp_tensor* kv, size_t* bytes) {
+  return guard([&] {
+    KVP_C_NONNULL(kv, "kv");
+    KVP_C_NONNULL(bytes, "bytes");
+    *bytes = dispatch(kv->dtype, "kv", [&](auto tag) {
+      using T = decltype(tag);
+      return cuda::compact_workspace_bytes(view_of<T>(*kv, "kv"));
+    });
+  });
+}
+
+extern "C" kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selection,
+                                       void* workspace, size_t workspace_bytes, void* stream) {
+  return guard([&] {
+    KVP_C_NONNULL(kv, "kv");
+    KVP_C_NONNULL(selection, "selection");
+    const cuda_backend be{stream, workspace, workspace_bytes};
+    dispatch(kv->dtype, "kv", [&](auto tag) {
+      using T = decltype(tag);
+      try {
+        cuda::compact(be, view_of<T>(*kv, "kv"), csr_of(*selection));
+      } catch (const Error& e) {
+        if (std::string(e.what()).find("CUDA error") != std::string::npos)
+          raise(KVP_ERROR_CUDA, e.what());
+        throw;
+      }
+    });
+  });
+}
+#else
+namespace {
+[[noreturn]] void no_cuda(const char* fn) {
+  raise(KVP_ERROR_UNSUPPORTED,
+        std::string("kvpolicy: ") + fn + ": this build of kvpolicy has no CUDA support "
+        "(configure with -DKVPOLICY_CUDA=ON and nvcc available)");
+}
+}  // namespace
+
+extern "C" int kvp_cuda_device_count(void) { return 0; }
+extern "C" kvp_status kvp_cuda_select_workspace_size(int64_t, int64_t, size_t*) {
+  return guard([] { no_cuda("kvp_cuda_select_workspace_size"); });
+}
+extern "C" kvp_status kvp_cuda_select(const float*, int64_t, int64_t, int64_t, int64_t,
+                                      const int64_t*, int64_t, int64_t, void*, size_t, void*,
+                                      kvp_csr*) {
+  return guard([] { no_cuda("kvp_cuda_select"); });
+}
+extern "C" kvp_status kvp_cuda_compact_workspace_size(const kvp_tensor*, size_t*) {
+  return guard([] { no_cuda("kvp_cuda_compact_workspace_size"); });
+}
+extern "C" kvp_status kvp_cuda_compact(const kvp_tensor*, const kvp_csr*, void*, size_t, void*) {
+  return guard([] { no_cuda("kvp_cuda_compact"); });
+}
+#endif
