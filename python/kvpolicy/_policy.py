@@ -67,6 +67,21 @@ class Policy:
         return self._p.scorer
 
     @property
+    def quantizer(self) -> str:
+        """The quantizer stage's name ('' without one)."""
+        return self._p.quantizer
+
+    @property
+    def merger(self) -> str:
+        """The merger stage's name ('' without one)."""
+        return self._p.merger
+
+    @property
+    def allocators(self) -> list[str]:
+        """Names of the allocator stages, in order."""
+        return list(self._p.allocators)
+
+    @property
     def query_window(self) -> int:
         """Queries the policy reads: 0 none, -1 all of them (h2o without accumulated state)."""
         return self._p.query_window
@@ -82,28 +97,33 @@ class Policy:
     def select(self, keys: Any, values: Any = None, queries: Any = None, *,
                budget: float = 0.25, budget_tokens: Optional[int] = None,
                budget_total: Optional[int] = None, accumulated: Any = None,
-               return_scores: bool = False) -> CompressResult:
+               return_scores: bool = False, first_layer: int = 0,
+               model_layers: int = 0) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
-        sums (h2o's state)."""
+        sums (h2o's state). ``first_layer`` / ``model_layers``: where the given layers sit in
+        the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
+        at a time (0: the cache holds every layer)."""
         return self._run(keys, values, queries, accumulated, budget, budget_tokens, budget_total,
-                         compact=False, inplace=False, scores=return_scores)
+                         compact=False, inplace=False, scores=return_scores,
+                         first_layer=first_layer, model_layers=model_layers)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
-                 accumulated: Any = None, inplace: bool = True,
-                 return_scores: bool = False) -> CompressResult:
+                 accumulated: Any = None, inplace: bool = True, return_scores: bool = False,
+                 first_layer: int = 0, model_layers: int = 0) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
         move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
         Inf anywhere in the inputs raises ValueError before anything is written. The GIL is
         released while the library works."""
         return self._run(keys, values, queries, accumulated, budget, budget_tokens, budget_total,
-                         compact=True, inplace=inplace, scores=return_scores)
+                         compact=True, inplace=inplace, scores=return_scores,
+                         first_layer=first_layer, model_layers=model_layers)
 
     def _run(self, keys, values, queries, accumulated, budget, budget_tokens, budget_total, *,
-             compact, inplace, scores) -> CompressResult:
+             compact, inplace, scores, first_layer, model_layers) -> CompressResult:
         kind, value = budget_args(budget, budget_tokens, budget_total)
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
@@ -121,7 +141,8 @@ class Policy:
         elif compact and np.may_share_memory(k, v):
             raise ValueError("values: shares memory with keys; compacting both in place would "
                              "corrupt them")
-        idx, counts, sc = self._p._run(k, v, q, acc, kind, value, compact, scores)
+        idx, counts, sc = self._p._run(k, v, q, acc, kind, value, first_layer, model_layers,
+                                       compact, scores)
         width = idx.shape[2]
         res = CompressResult(idx, counts, scores=sc)
         if compact:

@@ -4,6 +4,8 @@
 // the library works.
 #include <optional>
 
+#include <pybind11/stl.h>
+
 #include "arrays.hpp"
 #include "kvpolicy/kvpolicy.hpp"
 
@@ -76,7 +78,8 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
 }
 
 template <class T>
-py::tuple run(const Policy& p, const Call& c, const Budget& budget, bool compact, bool scores) {
+py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpolicy::EventInfo& ev,
+              bool compact, bool scores) {
   kvpolicy::KVView<T> k, v;
   const kvpolicy::Inputs<T> in = inputs_of<T>(c, compact, k, v);
   kvpolicy::Selection sel;
@@ -85,7 +88,7 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, bool compact
     py::gil_scoped_release nogil;
     const kvpolicy::cpu_backend be{};
     kvpolicy::detail::require_finite_inputs(in);
-    sel = p.select(be, in, budget, scores ? &map : nullptr);
+    sel = p.select(be, in, budget, ev, scores ? &map : nullptr);
     if (compact) kvpolicy::detail::compact_kv(be, k, v, sel);
   }
   py::tuple out = selection_arrays(sel);
@@ -100,13 +103,17 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, bool compact
 
 py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& values,
                    const py::handle& queries, const py::handle& accumulated, char kind,
-                   double value, bool compact, bool scores) {
+                   double value, std::int64_t first_layer, std::int64_t model_layers, bool compact,
+                   bool scores) {
   const Call c = arrays_of(keys, values, queries, accumulated);
   if (compact && !c.values) value_error("values: compress needs the values to compact");
   const Budget budget = make_budget(kind, value);
+  kvpolicy::EventInfo ev;
+  ev.first_layer = first_layer;
+  ev.model_layers = model_layers;
   return cache_dtype(c.keys, "keys") == kvpolicy::DType::f32
-             ? run<float>(p, c, budget, compact, scores)
-             : run<kvpolicy::half>(p, c, budget, compact, scores);
+             ? run<float>(p, c, budget, ev, compact, scores)
+             : run<kvpolicy::half>(p, c, budget, ev, compact, scores);
 }
 
 std::string needs_names(kvpolicy::Needs n) {
@@ -130,12 +137,26 @@ void bind_policy(py::module_& m) {
       .def_property_readonly("spec", &Policy::spec)
       .def_property_readonly("scorer", [](const Policy& p) { return std::string(p.scorer_name()); })
       .def_property_readonly("quantizer", &Policy::quantizer_name)
+      .def_property_readonly("merger",
+                             [](const Policy& p) {
+                               if (!p.merger()) return std::string();
+                               return std::visit([](const auto& m) { return std::string(m.name); },
+                                                 *p.merger());
+                             })
+      .def_property_readonly("allocators",
+                             [](const Policy& p) {
+                               std::vector<std::string> v;
+                               for (const auto& a : p.allocators())
+                                 v.push_back(std::visit([](const auto& x) { return std::string(x.name); }, a));
+                               return v;
+                             })
       .def_property_readonly("query_window", &Policy::query_window)
       .def_property_readonly("needs", [](const Policy& p) { return needs_names(p.needs()); })
       .def_property_readonly("decode_time", &Policy::decode_time)
       .def("__repr__", [](const Policy& p) { return "Policy('" + p.spec() + "')"; })
       .def("_run", &dispatch, py::arg("keys"), py::arg("values"), py::arg("queries"),
-           py::arg("accumulated"), py::arg("kind"), py::arg("value"), py::arg("compact"),
+           py::arg("accumulated"), py::arg("kind"), py::arg("value"), py::arg("first_layer"),
+           py::arg("model_layers"), py::arg("compact"),
            py::arg("scores"));
 }
 
