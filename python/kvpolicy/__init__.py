@@ -8,15 +8,15 @@
     r.indices, r.counts, r.keys.shape                       # kept tokens, compacted in place
 """
 
-from ._core import default_model_path as _default_model_path  # noqa: F401  (built check)
 from ._engine import Engine, Model, Tokenizer, default_model_path
 from ._policy import CompressResult, Policy
 from ._quant import PackedCache, Quantizer, packed_attention
 from ._session import Session
+from . import tasks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompressResult", "Engine", "Model", "PackedCache", "Policy", "Quantizer", "Session",
-    "Tokenizer", "default_model_path", "packed_attention", "__version__",
+    "Tokenizer", "default_model_path", "packed_attention", "tasks", "__version__",
 ]

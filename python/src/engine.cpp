@@ -3,8 +3,11 @@
 // their Model alive (keep_alive), so a notebook may drop its own reference to the model.
 #include <pybind11/stl.h>
 
+#include <cmath>
+
 #include "arrays.hpp"
 #include "engine/engine.hpp"
+#include "tasks.hpp"  // benchmarks/accuracy: the accuracy benchmark's tasks
 
 namespace kvpy {
 namespace {
@@ -52,9 +55,62 @@ py::dict config_dict(const Model& m) {
   return d;
 }
 
+// The accuracy benchmark's tasks (benchmarks/accuracy/tasks.hpp) in the form kvpolicy/tasks.py
+// drives: prompt construction and scoring stay the C++ benchmark's own.
+void bind_tasks(py::module_& m) {
+  m.def(
+      "passkey_prompt",
+      [](const Model& model, std::int64_t length, double depth, std::uint64_t seed) {
+        const auto pieces = kvbench::passkey_pieces(model, kvbench::passkey_digits(seed, length, depth));
+        const std::int64_t units = kvbench::passkey_units(pieces, length);
+        const auto before = static_cast<std::int64_t>(std::lround(depth * static_cast<double>(units)));
+        std::vector<std::int32_t> ids = pieces.head;
+        kvbench::append_units(ids, pieces, before);
+        ids.insert(ids.end(), pieces.key.begin(), pieces.key.end());
+        kvbench::append_units(ids, pieces, units - before);
+        ids.insert(ids.end(), pieces.question.begin(), pieces.question.end());
+        return py::make_tuple(ids, pieces.key_digits);
+      },
+      py::arg("model"), py::arg("length"), py::arg("depth"), py::arg("seed"));
+  m.def("first_five_digits", &kvbench::first_five_digits, py::arg("text"));
+  m.def(
+      "fidelity_text",
+      [](const Model& model, const std::string& path, std::int64_t prompt, std::int64_t cont) {
+        const auto t = kvbench::load_fidelity_text(model, path, prompt, cont);
+        return py::make_tuple(t.name, t.prompt, t.continuation);
+      },
+      py::arg("model"), py::arg("path"), py::arg("prompt_tokens"), py::arg("cont_tokens"));
+  py::class_<kvbench::Reference>(m, "FidelityReference")
+      .def_readonly("nll", &kvbench::Reference::nll);
+  m.def(
+      "reference_run",
+      [](Engine& full, const std::vector<std::int32_t>& cont) {
+        py::gil_scoped_release nogil;
+        return kvbench::reference_run(full, cont);
+      },
+      py::arg("engine"), py::arg("continuation"));
+  m.def(
+      "compare_run",
+      [](Engine& e, const std::vector<std::int32_t>& cont, const kvbench::Reference& ref) {
+        kvbench::Fidelity f;
+        {
+          py::gil_scoped_release nogil;
+          f = kvbench::compare_run(e, cont, ref);
+        }
+        py::dict d;
+        d["kl"] = f.kl;
+        d["top1"] = f.top1;
+        d["nll"] = f.nll;
+        d["delta_nll"] = f.delta_nll;
+        return d;
+      },
+      py::arg("engine"), py::arg("continuation"), py::arg("reference"));
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  bind_tasks(m);
   m.def("default_model_path", &kvpolicy::engine::default_model_path,
         "$KVPOLICY_MODEL, else ${KVPOLICY_CACHE:-~/.cache/kvpolicy}/SmolLM2-135M-Instruct.Q4_1.gguf "
         "(scripts/fetch_model.sh puts it there).");

@@ -1,5 +1,12 @@
-import numpy as np
-import pytest
+import os
+
+# Idle OpenMP threads yield instead of spinning (libgomp reads this when kvpolicy._core loads):
+# on a busy 2-core machine spinning makes the engine tests many times slower (scripts/test.sh
+# exports it too).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture

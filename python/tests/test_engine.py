@@ -41,3 +41,14 @@ def test_generate_with_policy(model):
 def test_missing_model_file():
     with pytest.raises(ValueError, match="not found"):
         kvpolicy.Model("/nonexistent/model.gguf")
+
+
+def test_accuracy_tasks(model):
+    rows = kvpolicy.tasks.passkey(model, ["snapkv(window=8)"], budgets=[0.5], length=256,
+                                  depths=[0.5], max_new=10)
+    assert [r["policy"] for r in rows] == ["full", "snapkv(window=8)"]
+    assert rows[0]["correct"] and len(rows[0]["key"]) == 5
+    fid = kvpolicy.tasks.fidelity(model, ["knorm"], budgets=[1.0, 0.5], prompt_tokens=96,
+                                  cont_tokens=8)
+    assert fid[0]["kl"] < 1e-6 and fid[0]["top1"] == 1.0  # budget 1.0: the full cache
+    assert fid[1]["kl"] > 0
