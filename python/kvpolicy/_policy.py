@@ -97,42 +97,40 @@ class Policy:
     def select(self, keys: Any, values: Any = None, queries: Any = None, *,
                budget: float = 0.25, budget_tokens: Optional[int] = None,
                budget_total: Optional[int] = None, accumulated: Any = None,
-               return_scores: bool = False, first_layer: int = 0,
+               observed: Any = None, return_scores: bool = False, first_layer: int = 0,
                model_layers: int = 0) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
-        sums (h2o's state). ``first_layer`` / ``model_layers``: where the given layers sit in
+        sums (h2o's state), ``observed`` the number of queries behind each sum (for
+        ``h2o(normalize=true)``). ``first_layer`` / ``model_layers``: where the given layers sit in
         the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
         at a time (0: the cache holds every layer)."""
-        return self._run(keys, values, queries, accumulated, budget, budget_tokens, budget_total,
-                         compact=False, inplace=False, scores=return_scores,
+        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
+                         budget_total, compact=False, inplace=False, scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
-                 accumulated: Any = None, inplace: bool = True, return_scores: bool = False,
+                 accumulated: Any = None, observed: Any = None, inplace: bool = True,
+                 return_scores: bool = False,
                  first_layer: int = 0, model_layers: int = 0) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
         move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
         Inf anywhere in the inputs raises ValueError before anything is written. The GIL is
         released while the library works."""
-        return self._run(keys, values, queries, accumulated, budget, budget_tokens, budget_total,
-                         compact=True, inplace=inplace, scores=return_scores,
+        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
+                         budget_total, compact=True, inplace=inplace, scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers)
 
-    def _run(self, keys, values, queries, accumulated, budget, budget_tokens, budget_total, *,
+    def _run(self, keys, values, queries, state, budget, budget_tokens, budget_total, *,
              compact, inplace, scores, first_layer, model_layers) -> CompressResult:
         kind, value = budget_args(budget, budget_tokens, budget_total)
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
         q = None if queries is None else _same_rank(queries, "queries", lifted)
-        acc = None
-        if accumulated is not None:
-            acc = as_array(accumulated, "accumulated")
-            if lifted and acc.ndim == 2:
-                acc = acc[np.newaxis]
+        acc, obs = (_state(x, name, lifted) for x, name in zip(state, ("accumulated", "observed")))
         if compact and v is None:
             raise ValueError("values: compress needs the values to compact (use select for the "
                              "selection alone)")
@@ -141,7 +139,7 @@ class Policy:
         elif compact and np.may_share_memory(k, v):
             raise ValueError("values: shares memory with keys; compacting both in place would "
                              "corrupt them")
-        idx, counts, sc = self._p._run(k, v, q, acc, kind, value, first_layer, model_layers,
+        idx, counts, sc = self._p._run(k, v, q, acc, obs, kind, value, first_layer, model_layers,
                                        compact, scores)
         width = idx.shape[2]
         res = CompressResult(idx, counts, scores=sc)
@@ -153,6 +151,13 @@ class Policy:
             res.values = None if res.values is None else res.values[0]
             res.scores = None if res.scores is None else res.scores[0]
         return res
+
+
+def _state(x: Any, name: str, lifted: bool) -> Optional[np.ndarray]:
+    if x is None:
+        return None
+    a = as_array(x, name)
+    return a[np.newaxis] if lifted and a.ndim == 2 else a
 
 
 def _same_rank(x: Any, name: str, lifted: bool) -> np.ndarray:

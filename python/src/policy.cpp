@@ -26,16 +26,30 @@ Budget make_budget(char kind, double value) {
 
 struct Call {
   py::array keys;
-  std::optional<py::array> values, queries, accumulated;
+  std::optional<py::array> values, queries, accumulated, observed;
 };
 
 Call arrays_of(const py::handle& keys, const py::handle& values, const py::handle& queries,
-               const py::handle& accumulated) {
+               const py::handle& accumulated, const py::handle& observed) {
   Call c{as_array(keys, "keys"), {}, {}, {}};
   if (!values.is_none()) c.values = as_array(values, "values");
   if (!queries.is_none()) c.queries = as_array(queries, "queries");
   if (!accumulated.is_none()) c.accumulated = as_array(accumulated, "accumulated");
+  if (!observed.is_none()) c.observed = as_array(observed, "observed");
   return c;
+}
+
+// A float32 C-contiguous [L][H][T] state array (h2o's sums or observation counts).
+template <class T>
+const float* state_of(const py::array& a, const kvpolicy::KVView<T>& keys, const char* what) {
+  if (!a.dtype().is(py::dtype::of<float>()))
+    type_error(what, ": dtype ", dtype_str(a), " is not supported (expected float32)");
+  require_rank(a, 3, what, "[layers][kv_heads][tokens]");
+  if (a.shape(0) != keys.layers || a.shape(1) != keys.heads || a.shape(2) != keys.tokens)
+    value_error(what, ": shape [", a.shape(0), "][", a.shape(1), "][", a.shape(2),
+                "] does not match keys [", keys.layers, "][", keys.heads, "][", keys.tokens, "]");
+  if (!(a.flags() & py::array::c_style)) value_error(what, ": must be C-contiguous");
+  return static_cast<const float*>(a.data());
 }
 
 // Inputs<T> over the call's arrays (checked: dtypes agree, accumulated is float32 [L][H][T]
@@ -61,19 +75,8 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
     same_dtype(*c.queries, "queries");
     in.queries = kv_view<T>(*c.queries, "queries", false);
   }
-  if (c.accumulated) {
-    const py::array& a = *c.accumulated;
-    if (!a.dtype().is(py::dtype::of<float>()))
-      type_error("accumulated: dtype ", dtype_str(a), " is not supported (expected float32)");
-    require_rank(a, 3, "accumulated", "[layers][kv_heads][tokens]");
-    if (a.shape(0) != in.keys.layers || a.shape(1) != in.keys.heads || a.shape(2) != in.keys.tokens)
-      value_error("accumulated: shape [", a.shape(0), "][", a.shape(1), "][", a.shape(2),
-                  "] does not match keys [", in.keys.layers, "][", in.keys.heads, "][",
-                  in.keys.tokens, "]");
-    if (!(a.flags() & py::array::c_style))
-      value_error("accumulated: must be C-contiguous");
-    in.accumulated = static_cast<const float*>(a.data());
-  }
+  if (c.accumulated) in.accumulated = state_of(*c.accumulated, in.keys, "accumulated");
+  if (c.observed) in.observed = state_of(*c.observed, in.keys, "observed");
   return in;
 }
 
@@ -102,10 +105,11 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpoli
 }
 
 py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& values,
-                   const py::handle& queries, const py::handle& accumulated, char kind,
+                   const py::handle& queries, const py::handle& accumulated,
+                   const py::handle& observed, char kind,
                    double value, std::int64_t first_layer, std::int64_t model_layers, bool compact,
                    bool scores) {
-  const Call c = arrays_of(keys, values, queries, accumulated);
+  const Call c = arrays_of(keys, values, queries, accumulated, observed);
   if (compact && !c.values) value_error("values: compress needs the values to compact");
   const Budget budget = make_budget(kind, value);
   kvpolicy::EventInfo ev;
@@ -155,7 +159,7 @@ void bind_policy(py::module_& m) {
       .def_property_readonly("decode_time", &Policy::decode_time)
       .def("__repr__", [](const Policy& p) { return "Policy('" + p.spec() + "')"; })
       .def("_run", &dispatch, py::arg("keys"), py::arg("values"), py::arg("queries"),
-           py::arg("accumulated"), py::arg("kind"), py::arg("value"), py::arg("first_layer"),
+           py::arg("accumulated"), py::arg("observed"), py::arg("kind"), py::arg("value"), py::arg("first_layer"),
            py::arg("model_layers"), py::arg("compact"),
            py::arg("scores"));
 }

@@ -266,3 +266,17 @@ def test_dlpack_input_is_zero_copy(rng):
     ref = knorm_reference(k0, 4)
     np.testing.assert_array_equal(r.indices, ref)
     np.testing.assert_array_equal(k[1, 1, :4], k0[1, 1, ref[1, 1]])  # written through
+
+
+def test_h2o_normalized_by_observed_counts(rng):
+    k, v = cache(rng, L=1, H=2, T=30)
+    acc = rng.random((1, 2, 30)).astype(np.float32)
+    obs = np.broadcast_to(np.arange(30, 0, -1, dtype=np.float32), (1, 2, 30)).copy()
+    p = kvpolicy.Policy("h2o(recent_tokens=0,normalize=true)")
+    r = p.select(k, v, budget_tokens=6, accumulated=acc, observed=obs)
+    want = np.sort(np.argsort(-(acc / obs), axis=-1, kind="stable")[..., :6], axis=-1)
+    np.testing.assert_array_equal(r.indices, want)
+    with pytest.raises(ValueError, match="observed-query counts"):
+        p.select(k, v, budget_tokens=6, accumulated=acc)
+    with pytest.raises(ValueError, match="observed: shape"):
+        p.select(k, v, budget_tokens=6, accumulated=acc, observed=obs[:, :, :5])

@@ -26,6 +26,8 @@ What transformers' cache cannot hold, and what the press therefore refuses or ap
   prefill only; h2o here is its prefill form (accumulated attention of the prompt's queries,
   kvpress's ObservedAttention).
 - state across events (h2o sums during decoding, ams credit): none, one event per layer.
+kvpress's ObservedAttentionPress is ``h2o(recent_tokens=0,normalize=true)`` here (attention
+weights needed: load the model with ``attn_implementation="eager"``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class KVPolicyPress(BasePress):
     compression_ratio: float = 0.0
     timings: List[Tuple[int, float]] = field(default_factory=list, repr=False)
     kept_counts: Optional[np.ndarray] = field(default=None, repr=False)
+    last_selection: List[Any] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.compression_ratio < 1.0:
@@ -110,12 +113,15 @@ class KVPolicyPress(BasePress):
         B, H, T, _ = keys.shape
         n_keep = max(1, int(T * (1 - self.compression_ratio)))
         needs = self.policy.needs
-        acc = None
+        acc = obs = None
         q = None
         if "accumulated" in needs and attentions is not None:
-            # Attention sums of the prompt's queries, GQA group mean (as the Session records it).
+            # Attention sums of the prompt's queries, GQA group mean (as the Session records it),
+            # and how many queries saw each key (T - t under the causal mask).
             a = attentions.detach().to("cpu", torch.float32).sum(dim=2)
-            acc = a.view(B, H, -1, T).mean(dim=2).numpy()
+            acc = a.view(B, H, -1, T).mean(dim=2).contiguous().numpy()
+            seen = np.arange(T, 0, -1, dtype=np.float32)
+            obs = np.ascontiguousarray(np.broadcast_to(seen, (1, H, T)))
         elif "queries" in needs or "accumulated" in needs:
             w = self.policy.query_window
             n = T if w < 0 else min(w, T)
@@ -130,6 +136,7 @@ class KVPolicyPress(BasePress):
                                    None if q is None else q[b:b + 1].contiguous().numpy(),
                                    budget_tokens=n_keep,
                                    accumulated=None if acc is None else acc[b:b + 1],
+                                   observed=obs,
                                    return_scores=True, first_layer=int(module.layer_idx),
                                    model_layers=self.model_layers)
             rows.append(r)
@@ -137,6 +144,7 @@ class KVPolicyPress(BasePress):
         width = max(int(c.max()) for c in counts)
         idx = np.stack([rectangular_indices(r, width)[0] for r in rows])  # [B][H][width]
         self.kept_counts = np.stack(counts)
+        self.last_selection = rows  # kvpolicy's own (possibly ragged) selections, per batch row
         gather = torch.from_numpy(idx).to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         keys = keys.gather(2, gather).contiguous()
         values = values.gather(2, gather).contiguous()
