@@ -26,10 +26,12 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/kvpolicy"
 
 install(TARGETS kvpolicy EXPORT kvpolicyTargets COMPONENT kvpolicy_Development)
 # The C ABI library (kvpolicy::c).
-install(TARGETS kvpolicy_c EXPORT kvpolicyTargets
-        ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development
-        LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Runtime
-        RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT kvpolicy_Runtime)
+if(TARGET kvpolicy_c)
+  install(TARGETS kvpolicy_c EXPORT kvpolicyTargets
+          ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development
+          LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Runtime
+          RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT kvpolicy_Runtime)
+endif()
 
 # The CUDA fast path (cuda/) only exists when KVPOLICY_CUDA is ON and a CUDA compiler was found.
 # A compiled library makes the package architecture dependent, so the version file below only

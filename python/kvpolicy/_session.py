@@ -1,0 +1,100 @@
+"""Session: the KV cache of one sequence for prefill + decode-time compression (float32)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from ._arrays import as_array, budget_args
+from ._policy import Policy
+
+
+class Session:
+    """Per-sequence cache state, all layers, as an engine uses it. Per layer: ``append`` new
+    tokens' K/V (and queries when the policy reads them), ``attend`` over the cache,
+    ``compress_if_due`` (the first call compresses the prefill to the budget; later calls
+    compress back every ``decode_interval`` tokens, every token for h2o). Storage is per layer
+    and head; heads can hold different lengths (per-head budgets).
+
+    Arrays are float32 ``[heads][n][head_dim]`` (KV heads for k/v, query heads for q), any
+    non-negative strides. ``budget`` is a ratio of the prefill, ``budget_tokens`` a count per
+    head, ``budget_total`` a count over a layer's heads. ``record_queries`` /
+    ``record_attention``: keep queries / h2o statistics even when the policy reads none.
+    """
+
+    def __init__(self, policy: Policy | str, *, layers: int, kv_heads: int, q_heads: int,
+                 head_dim: int, budget: float = 1.0, budget_tokens: Optional[int] = None,
+                 budget_total: Optional[int] = None, decode_interval: int = 0,
+                 record_queries: int = 0, record_attention: bool = False,
+                 initial_capacity: int = 256) -> None:
+        pol = policy if isinstance(policy, Policy) else Policy(policy)
+        kind, value = budget_args(budget, budget_tokens, budget_total)
+        self.policy = pol
+        self._s = _core.Session(pol._p, layers, kv_heads, q_heads, head_dim, kind, value,
+                                record_queries, record_attention, decode_interval,
+                                initial_capacity)
+
+    layers = property(lambda self: self._s.layers)
+    kv_heads = property(lambda self: self._s.kv_heads)
+    q_heads = property(lambda self: self._s.q_heads)
+    head_dim = property(lambda self: self._s.head_dim)
+
+    @property
+    def decode_interval(self) -> int:
+        """Tokens between decode-time compressions (0: none after the prefill's)."""
+        return self._s.decode_interval
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V held (fp32 rows, or packed tiles with a quantizer)."""
+        return self._s.kv_bytes
+
+    def append(self, layer: int, k: Any, v: Any, q: Any = None) -> None:
+        """Appends n tokens to every KV head of ``layer``: k, v ``[Hkv][n][d]``, q ``[Hq][n][d]``
+        (required when the policy reads queries)."""
+        self._s.append(layer, as_array(k, "k"), as_array(v, "v"),
+                       None if q is None else as_array(q, "q"))
+
+    def attend(self, layer: int, q: Any) -> np.ndarray:
+        """Attention of the last n tokens' queries ``[Hq][n][d]`` (causal among them) over the
+        layer's cache; returns float32 ``[Hq][n][d]``. Accumulates h2o statistics."""
+        return self._s.attend(layer, as_array(q, "q"))
+
+    def compress_if_due(self, layer: int) -> bool:
+        """Compresses ``layer`` if due; True if it compacted."""
+        return self._s.compress_if_due(layer)
+
+    def compress(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Compresses ``layer`` now; returns (indices ``[1][H][K]`` padded with -1, counts
+        ``[1][H]``), indices into the cache rows as they were before."""
+        return self._s.compress(layer)
+
+    def lengths(self, layer: int) -> np.ndarray:
+        """Tokens held per KV head (int64 ``[H]``)."""
+        return self._s.lengths(layer)
+
+    def budgets(self, layer: int) -> np.ndarray:
+        """Per-head targets fixed by the first compression (empty before it)."""
+        return self._s.budgets(layer)
+
+    def keys(self, layer: int, head: int) -> np.ndarray:
+        """A copy of the keys held by (layer, head), ``[length][d]`` in cache order."""
+        return self._s.keys(layer, head)
+
+    def values(self, layer: int, head: int) -> np.ndarray:
+        """A copy of the values held by (layer, head), ``[length][d]``."""
+        return self._s.values(layer, head)
+
+    def positions(self, layer: int, head: int) -> np.ndarray:
+        """Original positions (int32) of the tokens held by (layer, head)."""
+        return self._s.positions(layer, head)
+
+    def log_counts(self, layer: int, head: int) -> np.ndarray:
+        """log(count) per held row (merged tokens; 0 without a merger)."""
+        return self._s.log_counts(layer, head)
+
+    def quantized(self, layer: int) -> bool:
+        """True once a policy with a quantizer packed ``layer`` (keys/values are then gone)."""
+        return self._s.quantized(layer)
