@@ -15,6 +15,21 @@ void check_selection_out(const kvp_selection& out, std::int64_t L, std::int64_t 
 void write_selection(const Selection& sel, kvp_selection& out);
 }  // namespace kvpolicy::capi
 
+namespace {
+// One budget per sequence when any sequence has its own (the others get `fallback`); empty when
+// none has, meaning `fallback` for all (what the batch API takes).
+template <class Seq>
+std::vector<Budget> sequence_budgets(const Seq* seqs, std::size_t n, const Budget& fallback) {
+  std::vector<Budget> out;
+  if (std::none_of(seqs, seqs + n, [](const Seq& s) { return s.budget != nullptr; })) return out;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string what = "seqs[" + std::to_string(i) + "].budget";
+    out.push_back(seqs[i].budget ? budget_from(*seqs[i].budget, what.c_str()) : fallback);
+  }
+  return out;
+}
+}  // namespace
+
 extern "C" kvp_status kvp_compress_batch(const kvp_policy* policy, const kvp_compress_params* params,
                                          const kvp_sequence* seqs, size_t num_seqs,
                                          kvp_selection* out) {
@@ -28,14 +43,7 @@ extern "C" kvp_status kvp_compress_batch(const kvp_policy* policy, const kvp_com
     require_policy_stages_dense(p, "kvp_compress_batch");
     if (num_seqs == 0) return;
     const Budget budget = budget_from(prm.budget, "params.budget");
-    std::vector<Budget> budgets;
-    bool per_seq = false;
-    for (std::size_t i = 0; i < num_seqs; ++i) per_seq = per_seq || seqs[i].budget;
-    if (per_seq)
-      for (std::size_t i = 0; i < num_seqs; ++i) {
-        const std::string what = "seqs[" + std::to_string(i) + "].budget";
-        budgets.push_back(seqs[i].budget ? budget_from(*seqs[i].budget, what.c_str()) : budget);
-      }
+    const std::vector<Budget> budgets = sequence_budgets(seqs, num_seqs, budget);
     dispatch(seqs[0].keys.dtype, "seqs[0].keys", [&](auto tag) {
       using T = decltype(tag);
       std::vector<DenseSequence<T>> dense(num_seqs);
@@ -140,14 +148,7 @@ extern "C" kvp_status kvp_compress_paged(const kvp_policy* policy, const kvp_com
     require_policy_stages_dense(p, "kvp_compress_paged");
     if (num_seqs == 0) return;
     const Budget budget = budget_from(prm.budget, "params.budget");
-    std::vector<Budget> budgets;
-    bool per_seq = false;
-    for (std::size_t i = 0; i < num_seqs; ++i) per_seq = per_seq || seqs[i].budget;
-    if (per_seq)
-      for (std::size_t i = 0; i < num_seqs; ++i) {
-        const std::string what = "seqs[" + std::to_string(i) + "].budget";
-        budgets.push_back(seqs[i].budget ? budget_from(*seqs[i].budget, what.c_str()) : budget);
-      }
+    const std::vector<Budget> budgets = sequence_budgets(seqs, num_seqs, budget);
     dispatch(keys->dtype, "keys", [&](auto tag) {
       using T = decltype(tag);
       const PagedKVView<T> k = paged_view_of<T>(*keys, "keys");

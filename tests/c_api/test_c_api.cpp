@@ -9,11 +9,15 @@
 #include <vector>
 
 #include "common/random_kv.hpp"
+#include "c_api/c_util.hpp"
 #include "kvpolicy/c/kvpolicy.h"
 #include "kvpolicy/policy.hpp"
 #include "kvpolicy/session.hpp"
 
 using namespace kvpolicy;
+using ctest::make;
+using ctest::mentions;
+using ctest::SelOut;
 
 namespace {
 
@@ -32,31 +36,6 @@ struct Cache {
   KVView<float> vv() { return KVView<float>::hnd(v.data(), L, H, T, D); }
 };
 
-struct SelOut {
-  std::vector<std::int64_t> counts;
-  std::vector<std::int32_t> idx;
-  kvp_selection sel{};
-  SelOut(std::int64_t L, std::int64_t H, std::int64_t cap)
-      : counts(static_cast<std::size_t>(L * H), -1),
-        idx(static_cast<std::size_t>(L * H * cap), -1) {
-    sel = {L, H, cap, counts.data(), idx.data()};
-  }
-  std::vector<std::int32_t> row(std::int64_t r) const {
-    auto b = idx.begin() + r * sel.capacity;
-    return {b, b + counts[static_cast<std::size_t>(r)]};
-  }
-};
-
-kvp_policy* make(const char* spec) {
-  kvp_policy* p = nullptr;
-  REQUIRE(kvp_policy_create(spec, &p) == KVP_OK);
-  REQUIRE(p != nullptr);
-  return p;
-}
-
-bool mentions(const char* needle) {
-  return std::string(kvp_last_error()).find(needle) != std::string::npos;
-}
 
 // A plug-in that scores like the built-in knorm (-||k||), counting its calls.
 struct NormState {

@@ -10,33 +10,16 @@
 
 #include "common/random_kv.hpp"
 #include "kvpolicy/batch.hpp"
+#include "c_api/c_util.hpp"
 #include "kvpolicy/c/kvpolicy.h"
 #include "kvpolicy/paged.hpp"
 
 using namespace kvpolicy;
+using ctest::make;
+using ctest::mentions;
+using Out = ctest::SelOut;
 
 namespace {
-
-bool mentions(const char* needle) {
-  return std::string(kvp_last_error()).find(needle) != std::string::npos;
-}
-
-kvp_policy* make(const char* spec) {
-  kvp_policy* p = nullptr;
-  REQUIRE(kvp_policy_create(spec, &p) == KVP_OK);
-  return p;
-}
-
-struct Out {
-  std::vector<std::int64_t> counts;
-  std::vector<std::int32_t> idx;
-  kvp_selection sel{};
-  Out(std::int64_t L, std::int64_t H, std::int64_t cap)
-      : counts(static_cast<std::size_t>(L * H), -1),
-        idx(static_cast<std::size_t>(L * H * cap), -1) {
-    sel = {L, H, cap, counts.data(), idx.data()};
-  }
-};
 
 constexpr std::int64_t L = 2, H = 2, Hq = 4, D = 8, NQ = 8;
 
