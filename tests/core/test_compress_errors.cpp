@@ -10,6 +10,7 @@
 
 #include <kvpolicy/kvpolicy.hpp>
 
+#include "common/error_of.hpp"
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
@@ -19,18 +20,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-// The message of the kvpolicy::Error `f` throws; "<no exception>" or "<other exception>"
-// otherwise (so a wrong exception type fails the Contains() checks).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const kvpolicy::Error& e) {
-    return e.what();
-  } catch (...) {
-    return "<other exception>";
-  }
-  return "<no exception>";
-}
+using kvtest::error_of;
 
 template <class T>
 struct Fixture {

@@ -2,6 +2,7 @@
 // shuffled block tables drawn from it, a naive gather/scatter between a sequence and a dense HND
 // copy (so the references do not go through the code under test), and random selections.
 #pragma once
+#include "common/error_of.hpp"
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -138,16 +139,6 @@ inline Selection random_selection(kvtest::Rng& rng, std::int64_t L, std::int64_t
   return sel;
 }
 
-// The message of the kvpolicy::Error f throws, or a marker that fails Contains() checks.
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const kvpolicy::Error& e) {
-    return e.what();
-  } catch (...) {
-    return "<other exception>";
-  }
-  return "<no exception>";
-}
+using kvtest::error_of;
 
 }  // namespace pagedtest

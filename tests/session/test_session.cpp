@@ -12,6 +12,7 @@
 
 #include <kvpolicy/kvpolicy.hpp>
 
+#include "common/error_of.hpp"
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
@@ -60,16 +61,7 @@ SessionConfig config(Budget b, std::int64_t initial_capacity = 8) {
   return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const kvpolicy::Error& e) {
-    return e.what();
-  } catch (...) {
-    return "<other exception>";
-  }
-  return "<no exception>";
-}
+using kvtest::error_of;
 
 // Every stored row of (layer, head) is bit-identical to the original token at positions[i].
 template <class T>
