@@ -222,7 +222,8 @@ class PackedCache {
     }
   }
 
-  // Copies n rows to the end of the residual and brings them to stored form.
+  // Brings n rows to stored form at the end of the residual (the rotation reads the input and
+  // writes the residual: no separate copy pass).
   void push_rows(const float* k, const float* v, std::int64_t n) {
     const auto need = static_cast<std::size_t>(res_n_ + n);
     if (res_norm_.size() < need) {  // grow only; clear() and packing keep the capacity
@@ -232,10 +233,8 @@ class PackedCache {
     }
     float* kr = res_k_.data() + res_n_ * d_;
     float* vr = res_v_.data() + res_n_ * d_;
-    std::copy(k, k + n * d_, kr);
-    std::copy(v, v + n * d_, vr);
-    prepare_keys(config_, kr, n, d_, res_norm_.data() + res_n_);
-    prepare_values(config_, vr, n, d_);
+    prepare_keys(config_, k, kr, n, d_, res_norm_.data() + res_n_);
+    prepare_values(config_, v, vr, n, d_);
     res_n_ += n;
   }
 
