@@ -23,12 +23,39 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvpolicy/quant/quantizer.hpp"
 
 namespace kvpolicy::quant {
+
+namespace detail {
+// std::allocator whose value-initialization (vector::resize) leaves the elements as they are:
+// the encoders write every byte of a new tile, so zero-filling it first is a wasted pass.
+template <class T>
+struct UninitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <class U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+}  // namespace detail
 
 class PackedCache {
  public:
@@ -260,7 +287,7 @@ class PackedCache {
   std::int64_t d_ = 0;
   std::size_t key_tile_ = 0, value_tile_ = 0;
   std::int64_t packed_ = 0;
-  std::vector<std::byte> keys_, values_;   // tiles() key tiles / value tiles
+  std::vector<std::byte, detail::UninitAllocator<std::byte>> keys_, values_;  // tiles() key / value tiles
   std::int64_t res_n_ = 0;                  // residual rows in use (the buffers may be longer)
   std::vector<float> res_k_, res_v_, res_norm_;  // [res_n_][d], [res_n_][d], [res_n_] in front
 };

@@ -12,14 +12,16 @@
 //   vector), its branches as selects, and truncf as an int32 round trip where |x| < 2^23 (larger
 //   values are integers already) with truncf's sign put back.
 // - Codes: quantize_value needs round(q), q = fl(x / scale); the division is most of the
-//   reference's cost. We take v = fl(x * inv) with inv = fl(1 / scale) instead. With inv normal
-//   (2^-125 <= scale <= 2^125), |v - q| <= 3.0001 * 2^-24 |x / scale| < 2^-22 |v|. Where v is
-//   more than 2^-20 |v| away from every half-integer, q lies strictly inside the same interval
-//   between half-integers, so it rounds (half away from zero) to the same integer, and
-//   c = round + zero, clamped, is the same code. The margin is taken per group from its largest
-//   magnitude. Values within it (about 1e-5 of random ones: 1 to 3 % of batches) send their
-//   whole batch (8 value groups, or 64 key channels of a tile) to the exact path, which
-//   divides; so do groups where |x / scale| reaches 2^18 or the reciprocal is not normal.
+//   reference's cost. We take v = x * inv with inv = fl(1 / scale) instead (v rounded, or exact
+//   where the compiler fuses the product into the next operation). With inv normal
+//   (2^-125 <= scale <= 2^125), |v - q| <= (3 * 2^-24 + 2^-48) |x / scale| <= 3.0001 * 2^-24 b,
+//   b = max |x| / scale over the group. Where v is more than t = 2^-21 b (+ 2^-25 for the
+//   roundings of the test itself) away from every half-integer, q lies strictly inside the same
+//   interval between half-integers, so it rounds (half away from zero) to the same integer, and
+//   c = round + zero, clamped, is the same code. (For b < 1/10 every |q| and |v| is below 0.11:
+//   code 0 either way, and never flagged.) Values within the margin (about 2^-20 of random
+//   ones) send their whole batch (8 value groups, or 64 key channels of a tile) to the exact
+//   path, which divides; so do groups with b >= 2^18 or a reciprocal that is not normal.
 // - A zero r = round(v) may be +0 where round(q) is -0; r + zero then differs only in the sign
 //   of a zero, which clamps to code 0 either way.
 //
@@ -116,35 +118,39 @@ inline void quant_range8(const qv8f& lo, const qv8f& hi, int max_code, qv8f& sca
   zero = both0 ? r0.zero : (ok ? z : cz);
 }
 
-// Per-lane constants of codes8 for groups (lanes) with minimum lo, maximum hi and the given
-// scale: 1 / scale, the margin 2^-20 max(|lo|, |hi|) / scale (>= 2^-20 |v| for every value of
-// the group, up to a rounding of the product that the factor 4 over the error bound absorbs),
-// and whether the reciprocal is normal and every |v| below 2^18 (margin < 1/4, r exact).
-inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, qv8f& inv,
-                           qv8f& margin, qv8i& bad) {
+// Per-lane constants of codes8 for groups (lanes) with minimum lo, maximum hi, the given scale
+// and zero point: inv = 1 / scale; limit = 1/2 - t (top of the file; t and the subtraction
+// are exact or within the 2^-25); the zero point as an int32; bad |= lanes where the
+// reciprocal is not normal or b >= 2^18 (otherwise |zero| <= 2^18 + 1, so the integer
+// arithmetic below is exact).
+inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, const qv8f& zero,
+                           qv8f& inv, qv8f& limit, qv8i& izero, qv8i& bad) {
   inv = 1.0f / scale;
   qv8f al, ah;
   qabs(al, lo);
   qabs(ah, hi);
   const qv8f bound = (al > ah ? al : ah) * inv;
-  margin = bound * 0x1p-20f;
-  bad |= ~((scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f));
+  limit = 0.5f - bound * 0x1p-21f;
+  const qv8i ok = (scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f);
+  bad |= ~ok;
+  izero = __builtin_convertvector(ok ? zero : 0.0f, qv8i);
 }
 
 // Codes of v = x * inv (+ zero, clamped to [0, m]); near |= lanes that may differ from
 // quantize_value (see the top of the file). r = the integer nearest to v by adding and removing
 // 1.5 * 2^23 (exact for |v| < 2^22; ties are flagged anyway), so |v - r| <= 1/2 and v is
-// 1/2 - |v - r| from the nearest half-integer.
-inline void codes8(const qv8f& x, const qv8f& inv, const qv8f& zero, const qv8f& margin,
-                   const qv8f& m, qv8u& code, qv8i& near) {
+// 1/2 - |v - r| from the nearest half-integer. FMA contraction (GCC fuses x * inv into both
+// uses) replaces v by the exact product, which is within the same error budget.
+inline void codes8(const qv8f& x, const qv8f& inv, const qv8f& limit, const qv8i& izero,
+                   std::int32_t m, qv8u& code, qv8i& near) {
   const qv8f v = x * inv;
   const qv8f r = (v + 12582912.0f) - 12582912.0f;
   qv8f e;
   qabs(e, v - r);
-  near |= (0.5f - e) <= margin;
-  const qv8f zv = {}, c = r + zero;
-  const qv8f lo = zv < c ? c : zv;  // max(c, 0), min(., m): one instruction each
-  code = (qv8u)__builtin_convertvector(lo < m ? lo : m, qv8i);  // not to unsigned: 4 more ops
+  near |= e >= limit;
+  qv8i c = __builtin_convertvector(r, qv8i) + izero;  // the reference's float sum: exact
+  c = c > 0 ? c : 0;
+  code = (qv8u)(c < m ? c : m);
 }
 
 // Value groups 8 at a time: blocks[0..8) = quantize_group of x[0 .. 8 G) (Blk::group = G
@@ -194,15 +200,17 @@ inline bool encode_value_groups8(const float* x, Blk* blocks) {
     __builtin_memcpy(&lo, l, sizeof l);
     __builtin_memcpy(&hi, h, sizeof h);
   }
-  qv8f scale, zero, inv, margin;
+  qv8f scale, zero, inv, limit;
+  qv8i izero, bad = {};
   quant_range8(lo, hi, M, scale, zero);
-  qv8i bad = {};
-  code_constants(lo, hi, scale, inv, margin, bad);
-  float sc[8], ze[8], iv[8], mg[8];
+  code_constants(lo, hi, scale, zero, inv, limit, izero, bad);
+  float sc[8], ze[8], iv[8], li[8];
+  std::int32_t iz[8];
   __builtin_memcpy(sc, &scale, sizeof sc);
   __builtin_memcpy(ze, &zero, sizeof ze);
   __builtin_memcpy(iv, &inv, sizeof iv);
-  __builtin_memcpy(mg, &margin, sizeof mg);
+  __builtin_memcpy(li, &limit, sizeof li);
+  __builtin_memcpy(iz, &izero, sizeof iz);
   for (int g = 0; g < 8; ++g) {
     blocks[g].scale = sc[g];
     blocks[g].zero = ze[g];
@@ -217,17 +225,18 @@ inline bool encode_value_groups8(const float* x, Blk* blocks) {
   qv8u lane_shift;
   for (int j = 0; j < 8; ++j) lane_shift[j] = static_cast<std::uint32_t>(B * j);
   qv8u words[8 * W];
-  const qv8f mv = qv8f{} + static_cast<float>(M);
   qv8i near = {};
   for (int g = 0; g < 8; ++g) {
-    const qv8f ivg = qv8f{} + iv[g], zg = qv8f{} + ze[g], mgg = qv8f{} + mg[g];
+    const qv8f ivg = {iv[g], iv[g], iv[g], iv[g], iv[g], iv[g], iv[g], iv[g]};
+    const qv8f lig = {li[g], li[g], li[g], li[g], li[g], li[g], li[g], li[g]};
+    const qv8i izg = {iz[g], iz[g], iz[g], iz[g], iz[g], iz[g], iz[g], iz[g]};
     for (int w = 0; w < W; ++w) {
       qv8u acc = {};
       for (int u = 0; u < VW; ++u) {
         qv8f v;
         qload(v, x + g * G + 8 * (w * VW + u));
         qv8u c;
-        codes8(v, ivg, zg, mgg, mv, c, near);
+        codes8(v, ivg, lig, izg, M, c, near);
         acc |= c << (lane_shift + static_cast<std::uint32_t>(8 * B * u));
       }
       words[g * W + w] = acc;
@@ -252,7 +261,8 @@ inline bool encode_value_groups8(const float* x, Blk* blocks) {
 template <class Blk>
 inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, Blk* blocks) {
   constexpr int G = Blk::group, M = Blk::max_code, B = Blk::bits, W = G * B / 32, kV = 8;
-  qv8f lo[kV], hi[kV], inv[kV], zero[kV], margin[kV];
+  qv8f lo[kV], hi[kV], inv[kV], limit[kV];
+  qv8i izero[kV];
   for (int v = 0; v < nv; ++v) {
     qload(lo[v], x + 8 * v);
     hi[v] = lo[v];
@@ -266,12 +276,12 @@ inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, B
     }
   qv8i bad = {};
   for (int v = 0; v < nv; ++v) {
-    qv8f scale;
-    quant_range8(lo[v], hi[v], M, scale, zero[v]);
-    code_constants(lo[v], hi[v], scale, inv[v], margin[v], bad);
+    qv8f scale, zero;
+    quant_range8(lo[v], hi[v], M, scale, zero);
+    code_constants(lo[v], hi[v], scale, zero, inv[v], limit[v], izero[v], bad);
     float sc[8], ze[8];
     __builtin_memcpy(sc, &scale, sizeof sc);
-    __builtin_memcpy(ze, &zero[v], sizeof ze);
+    __builtin_memcpy(ze, &zero, sizeof ze);
     for (int j = 0; j < 8; ++j) {
       blocks[8 * v + j].scale = sc[j];
       blocks[8 * v + j].zero = ze[j];
@@ -281,7 +291,6 @@ inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, B
   // Token t of a channel sits at bit B * t of its qs: word (B t) / 32, shifted by (B t) % 32.
   // Channels outer, then words: a vector's reciprocal, zero point and word stay in registers.
   constexpr int per_word = 32 / B;
-  const qv8f mv = qv8f{} + static_cast<float>(M);
   qv8i near = {};
   for (int v = 0; v < nv; ++v)
     for (int w = 0; w < W; ++w) {
@@ -291,7 +300,7 @@ inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, B
         qv8f e;
         qload(e, x + t * d + 8 * v);
         qv8u c;
-        codes8(e, inv[v], zero[v], margin[v], mv, c, near);
+        codes8(e, inv[v], limit[v], izero[v], M, c, near);
         acc |= c << static_cast<std::uint32_t>(B * (t - t0));
       }
       std::uint32_t out[8];
