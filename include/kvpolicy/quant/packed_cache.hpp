@@ -184,6 +184,9 @@ class PackedCache {
   }
 
   // Appends rows k, v [n][d] (original space); `first` numbers row 0 in error messages.
+  // While a segment is encoded, push_rows prefetches the next one (ahead_): otherwise its
+  // check, the first read of the input, waits for memory with no work to overlap (the check
+  // was 12 % of the samples of 8 heads on 2 threads at T=32768, the input in DRAM).
   // Segments of finite rows, checked just before they are copied (so still in cache then); a
   // segment spans more than the residual window, so appending one packs the residual whole.
   void append_rows(const float* k, const float* v, std::int64_t n, std::int64_t first) {
@@ -192,7 +195,9 @@ class PackedCache {
       const std::int64_t m = std::min(seg, n - t0);
       std::int64_t ok = 0;
       while (ok < m && finite_row(k + (t0 + ok) * d_) && finite_row(v + (t0 + ok) * d_)) ++ok;
+      ahead_ = {k + (t0 + m) * d_, v + (t0 + m) * d_, std::min(seg, n - t0 - m)};
       append_finite(k + t0 * d_, v + t0 * d_, ok);
+      ahead_.rows = 0;
       if (ok < m) fail_non_finite(k + (t0 + ok) * d_, v + (t0 + ok) * d_, first + t0 + ok);
     }
   }
@@ -260,9 +265,30 @@ class PackedCache {
     }
     float* kr = res_k_.data() + res_n_ * d_;
     float* vr = res_v_.data() + res_n_ * d_;
+    for (std::int64_t t = 0; t < n; t += 8) {  // prefetches spread between the rotations
+      const std::int64_t m = std::min<std::int64_t>(8, n - t);
+      prefetch_ahead(m);
+      prepare_values(config_, v + t * d_, vr + t * d_, m, d_);
+    }
     prepare_keys(config_, k, kr, n, d_, res_norm_.data() + res_n_);
-    prepare_values(config_, v, vr, n, d_);
     res_n_ += n;
+  }
+
+  // Prefetches (into L2) the next n of the rows ahead_ points to, as far as there are any.
+  void prefetch_ahead(std::int64_t n) {
+    const std::int64_t m = std::min(n, ahead_.rows);
+#if defined(__GNUC__) || defined(__clang__)
+    const auto bytes = static_cast<std::size_t>(m * d_) * sizeof(float);
+    const char* pk = reinterpret_cast<const char*>(ahead_.k);
+    const char* pv = reinterpret_cast<const char*>(ahead_.v);
+    for (std::size_t i = 0; i < bytes; i += 64) {
+      __builtin_prefetch(pk + i, 0, 2);
+      __builtin_prefetch(pv + i, 0, 2);
+    }
+#endif
+    ahead_.k += m * d_;
+    ahead_.v += m * d_;
+    ahead_.rows -= m;
   }
 
   // Packs the residual's first `tiles` groups into new tiles (the rows stay where they are).
@@ -289,6 +315,11 @@ class PackedCache {
   std::int64_t packed_ = 0;
   std::vector<std::byte, detail::UninitAllocator<std::byte>> keys_, values_;  // tiles() key / value tiles
   std::int64_t res_n_ = 0;                  // residual rows in use (the buffers may be longer)
+  struct Ahead {
+    const float* k = nullptr;
+    const float* v = nullptr;
+    std::int64_t rows = 0;
+  } ahead_;  // input rows of the next segment of the running append, not yet prefetched
   std::vector<float> res_k_, res_v_, res_norm_;  // [res_n_][d], [res_n_][d], [res_n_] in front
 };
 
