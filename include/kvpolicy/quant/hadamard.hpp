@@ -70,6 +70,8 @@ typedef float hadamard_v8 __attribute__((vector_size(32)));
 // Stages 1, 2 and 4 within one 8-value vector a. In stage `half` lane j pairs with lane
 // j ^ half, and p = a with those lanes swapped: the lower lane takes a + p = x_j + x_{j+half},
 // the upper one p - a = x_{j-half} - x_j (the butterfly's a - b); the blend keeps one per lane.
+// (p + (-a) would save the blend with the same bits for numbers, but not for a NaN from an
+// overflowing rotation: negating flips its sign, and x86 passes a NaN operand through.)
 // (By reference: a vector argument or result would change the ABI without AVX.)
 inline void hadamard_in_vector(hadamard_v8& a) {
   hadamard_v8 p = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
@@ -97,9 +99,9 @@ inline void hadamard_between_vectors(hadamard_v8* v) {
 
 // The whole transform of V * 8 values held in V vectors (registers, for V <= 16: the loops are
 // unrolled so that v[] has constant indices): stages 1, 2, 4 within each vector, then the
-// others between vectors. Scaled by s at the end.
+// others between vectors. Scaled by s at the end. Reads x, writes y (may be x).
 template <int V>
-inline void hadamard_vectors(float* x, float s) {
+inline void hadamard_vectors(const float* x, float* y, float s) {
   hadamard_v8 v[static_cast<std::size_t>(V)];
 #pragma GCC unroll 32
   for (int i = 0; i < V; ++i) {
@@ -110,20 +112,25 @@ inline void hadamard_vectors(float* x, float s) {
 #pragma GCC unroll 32
   for (int i = 0; i < V; ++i) {
     if (s != 1.0f) v[i] *= s;
-    __builtin_memcpy(x + 8 * i, &v[i], sizeof v[i]);
+    __builtin_memcpy(y + 8 * i, &v[i], sizeof v[i]);
+  }
+}
+
+// The register-resident sizes of hadamard_vector; false for others.
+inline bool hadamard_vector_to(const float* x, float* y, std::int64_t n, float s) {
+  switch (n) {
+    case 8: return hadamard_vectors<1>(x, y, s), true;
+    case 16: return hadamard_vectors<2>(x, y, s), true;
+    case 32: return hadamard_vectors<4>(x, y, s), true;
+    case 64: return hadamard_vectors<8>(x, y, s), true;
+    case 128: return hadamard_vectors<16>(x, y, s), true;
+    default: return false;
   }
 }
 
 // hadamard_unnormalized for n >= 8, then x *= s (s = 1: none).
 inline void hadamard_vector(float* x, std::int64_t n, float s) {
-  switch (n) {
-    case 8: return hadamard_vectors<1>(x, s);
-    case 16: return hadamard_vectors<2>(x, s);
-    case 32: return hadamard_vectors<4>(x, s);
-    case 64: return hadamard_vectors<8>(x, s);
-    case 128: return hadamard_vectors<16>(x, s);
-    default: break;
-  }
+  if (hadamard_vector_to(x, x, n, s)) return;
   for (std::int64_t b = 0; b < n; b += 8) {
     hadamard_v8 a;
     __builtin_memcpy(&a, x + b, sizeof a);
@@ -169,6 +176,17 @@ KVP_HD inline void hadamard_unchecked(float* x, std::int64_t n) {
 #endif
   hadamard_unnormalized(x, n);
   for (std::int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+// y <- H_n x / sqrt(n) (y == x allowed, else no overlap): the bits of hadamard_unchecked on a
+// copy, without the separate copy pass for the sizes held in registers.
+inline void hadamard_unchecked_to(const float* x, float* y, std::int64_t n) {
+#if defined(KVP_HADAMARD_VECTOR)
+  if (detail::hadamard_vector_to(x, y, n, 1.0f / sqrtf(static_cast<float>(n)))) return;
+#endif
+  if (y != x)
+    for (std::int64_t i = 0; i < n; ++i) y[i] = x[i];
+  hadamard_unchecked(y, n);
 }
 
 // Throws unless n is a power of two; `what` names the argument (e.g. "int2: head_dim").

@@ -45,6 +45,7 @@
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/quant/block.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
+#include "kvpolicy/quant/vector_codec.hpp"
 
 namespace kvpolicy::quant {
 
@@ -94,11 +95,42 @@ inline double bytes_per_token(const QuantConfig& c, std::int64_t head_dim) {
 // --- Stored form of one row (host; d already validated) -------------------------------------
 
 // ||k|| of rows k [n][d]: each a sum of squares in index order in double (the products are
-// exact there; the order of the additions fixes the bits), rounded to fp32. Four rows at a time:
-// four independent sums instead of one chain of d dependent additions (past n, the last row is
-// summed again and dropped).
+// exact there; the order of the additions fixes the bits), rounded to fp32. Each row's sum is
+// one chain of d dependent additions, so rows go together: 16 at a time as four vectors of four
+// rows (lanes) where vector extensions exist (element i of four rows is a 4 x 4 transpose away),
+// four scalar sums otherwise and for the rest (past n, the last row is summed again and dropped).
 inline void row_norms(const float* k, std::int64_t n, std::int64_t d, float* norms) {
-  for (std::int64_t t = 0; t < n; t += 4) {
+  std::int64_t t = 0;
+#if defined(KVP_QUANT_VECTOR)
+  if (d % 4 == 0) {
+    typedef float f4 __attribute__((vector_size(16)));
+    typedef double d4 __attribute__((vector_size(32)));
+    constexpr int R = 4;  // vectors of 4 rows: independent chains
+    for (; t + 4 * R <= n; t += 4 * R) {
+      d4 s[R] = {};
+      for (std::int64_t i = 0; i < d; i += 4)
+        for (int r = 0; r < R; ++r) {
+          const float* p = k + (t + 4 * r) * d + i;
+          f4 a0, a1, a2, a3;  // elements i .. i + 3 of rows 0 .. 3 of the vector
+          __builtin_memcpy(&a0, p, sizeof a0);
+          __builtin_memcpy(&a1, p + d, sizeof a1);
+          __builtin_memcpy(&a2, p + 2 * d, sizeof a2);
+          __builtin_memcpy(&a3, p + 3 * d, sizeof a3);
+          const f4 l01 = __builtin_shufflevector(a0, a1, 0, 4, 1, 5), h01 = __builtin_shufflevector(a0, a1, 2, 6, 3, 7);
+          const f4 l23 = __builtin_shufflevector(a2, a3, 0, 4, 1, 5), h23 = __builtin_shufflevector(a2, a3, 2, 6, 3, 7);
+          const f4 e[4] = {__builtin_shufflevector(l01, l23, 0, 1, 4, 5), __builtin_shufflevector(l01, l23, 2, 3, 6, 7),
+                           __builtin_shufflevector(h01, h23, 0, 1, 4, 5), __builtin_shufflevector(h01, h23, 2, 3, 6, 7)};
+          for (int j = 0; j < 4; ++j) {
+            const d4 x = __builtin_convertvector(e[j], d4);
+            s[r] += x * x;
+          }
+        }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) norms[t + 4 * r + j] = static_cast<float>(std::sqrt(s[r][j]));
+    }
+  }
+#endif
+  for (; t < n; t += 4) {
     const float* r[4];
     for (std::int64_t j = 0; j < 4; ++j) r[j] = k + std::min(t + j, n - 1) * d;
     double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -113,12 +145,14 @@ inline void row_norms(const float* k, std::int64_t n, std::int64_t d, float* nor
   }
 }
 
-// Rows k [n][d] <- H k / ||k|| in place; norms [n] <- the token norms (1 without token_norm, 0
-// for a zero key, which then stays zero).
-inline void prepare_keys(const QuantConfig& c, float* k, std::int64_t n, std::int64_t d,
-                         float* norms) {
+// Rows k [n][d] <- H src / ||H src|| (src [n][d]: k itself, or rows that do not overlap it);
+// norms [n] <- the token norms (1 without token_norm, 0 for a zero key, which then stays zero).
+inline void prepare_keys(const QuantConfig& c, const float* src, float* k, std::int64_t n,
+                         std::int64_t d, float* norms) {
   if (c.rotate)
-    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked(k + t * d, d);
+    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked_to(src + t * d, k + t * d, d);
+  else if (src != k)
+    std::copy(src, src + n * d, k);
   if (!c.token_norm) {
     std::fill(norms, norms + n, 1.0f);
     return;
@@ -132,6 +166,12 @@ inline void prepare_keys(const QuantConfig& c, float* k, std::int64_t n, std::in
   }
 }
 
+// Rows k [n][d] <- H k / ||k|| in place.
+inline void prepare_keys(const QuantConfig& c, float* k, std::int64_t n, std::int64_t d,
+                         float* norms) {
+  prepare_keys(c, k, k, n, d, norms);
+}
+
 // One row: k <- H k / ||k||; returns the token norm.
 inline float prepare_key(const QuantConfig& c, float* k, std::int64_t d) {
   float n = 1.0f;
@@ -141,9 +181,16 @@ inline float prepare_key(const QuantConfig& c, float* k, std::int64_t d) {
 inline void prepare_value(const QuantConfig& c, float* v, std::int64_t d) {
   if (c.rotate) hadamard_unchecked(v, d);
 }
-inline void prepare_values(const QuantConfig& c, float* v, std::int64_t n, std::int64_t d) {
+// Rows v [n][d] <- H src (src: v itself, or rows that do not overlap it).
+inline void prepare_values(const QuantConfig& c, const float* src, float* v, std::int64_t n,
+                           std::int64_t d) {
   if (c.rotate)
-    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked(v + t * d, d);
+    for (std::int64_t t = 0; t < n; ++t) hadamard_unchecked_to(src + t * d, v + t * d, d);
+  else if (src != v)
+    std::copy(src, src + n * d, v);
+}
+inline void prepare_values(const QuantConfig& c, float* v, std::int64_t n, std::int64_t d) {
+  prepare_values(c, v, v, n, d);
 }
 // Inverses: back to the original space.
 inline void restore_key(const QuantConfig& c, float* k, std::int64_t d, float norm) {
@@ -161,55 +208,67 @@ inline void restore_value(const QuantConfig& c, float* v, std::int64_t d) {
 // channels (the rows are token-major, each channel's block runs down a column), values along the
 // row (each block is 32+ contiguous channels).
 
-// quantize_block(k + ch, d, n, blocks[ch]) for every channel ch, `kChannels` channels at a time:
-// the running min / max per channel scans the tokens in order as the reference does (so its tie
-// rule holds), then every token's codes are computed across the channels and packed per channel.
+// quantize_block(k + c0 + j, d, n, blocks[c0 + j]) for the nc <= kKeyChunk channels j of one
+// chunk: the running min / max per channel scans the tokens in order as the reference does (so
+// its tie rule holds), then every token's codes are computed across the channels and packed per
+// channel. Divides per element; the exact path under detail::encode_key_channels.
+constexpr int kKeyChunk = 64;
 template <class Blk>
-void encode_key_blocks(const float* k, int n, std::int64_t d, Blk* blocks) {
-  constexpr int kChannels = 64, G = Blk::group, per = Blk::per_byte;
+void encode_key_chunk(const float* k, int n, std::int64_t d, std::int64_t c0, int nc, Blk* blocks) {
+  constexpr int kChannels = kKeyChunk, G = Blk::group, per = Blk::per_byte;
   float lo[kChannels], hi[kChannels];
   float scale[kChannels], zero[kChannels];
   std::uint8_t codes[static_cast<std::size_t>(G)][kChannels];  // [token][channel]; 0 past n, as the reference leaves them
-  for (std::int64_t c0 = 0; c0 < d; c0 += kChannels) {
-    const int nc = static_cast<int>(std::min<std::int64_t>(kChannels, d - c0));
-    const float* x = k + c0;
-    for (int j = 0; j < nc; ++j) lo[j] = hi[j] = n > 0 ? x[j] : 0.0f;
-    for (int t = 1; t < n; ++t)
-      for (int j = 0; j < nc; ++j) {
-        const float v = x[t * d + j];
-        lo[j] = v < lo[j] ? v : lo[j];
-        hi[j] = v > hi[j] ? v : hi[j];
-      }
+  const float* x = k + c0;
+  for (int j = 0; j < nc; ++j) lo[j] = hi[j] = n > 0 ? x[j] : 0.0f;
+  for (int t = 1; t < n; ++t)
     for (int j = 0; j < nc; ++j) {
-      const QuantRange r = quant_range(lo[j], hi[j], Blk::max_code);
-      scale[j] = r.scale;
-      zero[j] = r.zero;
-      blocks[c0 + j].scale = scale[j];
-      blocks[c0 + j].zero = zero[j];
+      const float v = x[t * d + j];
+      lo[j] = v < lo[j] ? v : lo[j];
+      hi[j] = v > hi[j] ? v : hi[j];
     }
-    bool small = true;  // quantize_value_small is exact for every channel of the chunk
-    for (int j = 0; j < nc; ++j) small &= small_quotients(lo[j], hi[j], {scale[j], zero[j]});
-    for (int t = 0; t < G; ++t) {
-      if (t >= n) {
-        std::fill(codes[t], codes[t] + nc, std::uint8_t{0});
-        continue;
-      }
-      const float* xt = x + t * d;
-      if (small)
-        for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value_small(xt[j], {scale[j], zero[j]}, Blk::max_code));
-      else
-        for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value(xt[j], {scale[j], zero[j]}, Blk::max_code));
+  for (int j = 0; j < nc; ++j) {
+    const QuantRange r = quant_range(lo[j], hi[j], Blk::max_code);
+    scale[j] = r.scale;
+    zero[j] = r.zero;
+    blocks[c0 + j].scale = scale[j];
+    blocks[c0 + j].zero = zero[j];
+  }
+  bool small = true;  // quantize_value_small is exact for every channel of the chunk
+  for (int j = 0; j < nc; ++j) small &= small_quotients(lo[j], hi[j], {scale[j], zero[j]});
+  for (int t = 0; t < G; ++t) {
+    if (t >= n) {
+      std::fill(codes[t], codes[t] + nc, std::uint8_t{0});
+      continue;
     }
-    // Byte b of channel j's block: tokens b * per .. b * per + per - 1 (block.hpp's layout).
-    for (int b = 0; b < G / per; ++b) {
-      std::uint8_t packed[kChannels];
-      for (int j = 0; j < nc; ++j) {
-        unsigned v = 0;
-        for (int u = 0; u < per; ++u) v |= static_cast<unsigned>(codes[b * per + u][j]) << (u * Blk::bits);
-        packed[j] = static_cast<std::uint8_t>(v);
-      }
-      for (int j = 0; j < nc; ++j) blocks[c0 + j].qs[b] = packed[j];
+    const float* xt = x + t * d;
+    if (small)
+      for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value_small(xt[j], {scale[j], zero[j]}, Blk::max_code));
+    else
+      for (int j = 0; j < nc; ++j) codes[t][j] = static_cast<std::uint8_t>(quantize_value(xt[j], {scale[j], zero[j]}, Blk::max_code));
+  }
+  // Byte b of channel j's block: tokens b * per .. b * per + per - 1 (block.hpp's layout).
+  for (int b = 0; b < G / per; ++b) {
+    std::uint8_t packed[kChannels];
+    for (int j = 0; j < nc; ++j) {
+      unsigned v = 0;
+      for (int u = 0; u < per; ++u) v |= static_cast<unsigned>(codes[b * per + u][j]) << (u * Blk::bits);
+      packed[j] = static_cast<std::uint8_t>(v);
     }
+    for (int j = 0; j < nc; ++j) blocks[c0 + j].qs[b] = packed[j];
+  }
+}
+
+// quantize_block(k + ch, d, n, blocks[ch]) for every channel ch, kKeyChunk channels at a time.
+template <class Blk>
+void encode_key_blocks(const float* k, int n, std::int64_t d, Blk* blocks) {
+  for (std::int64_t c0 = 0; c0 < d; c0 += kKeyChunk) {
+    const int nc = static_cast<int>(std::min<std::int64_t>(kKeyChunk, d - c0));
+#if defined(KVP_QUANT_VECTOR)
+    // nc is a multiple of 8: d is one of group (>= 32).
+    if (n > 0 && nc % 8 == 0 && detail::encode_key_channels(k + c0, n, d, nc / 8, blocks + c0)) continue;
+#endif
+    encode_key_chunk(k, n, d, c0, nc, blocks);
   }
 }
 
@@ -232,11 +291,17 @@ void encode_value_tile(const float* v, int n, std::int64_t d, std::byte* out) {
   const std::int64_t per_row = d / Blk::group;
   std::memset(out + n * per_row * static_cast<std::int64_t>(sizeof(Blk)), 0,
               static_cast<std::size_t>((Blk::group - n) * per_row) * sizeof(Blk));
+  const std::int64_t count = n * per_row;  // block i: values [i G, (i + 1) G) of the rows [n][d]
+  std::int64_t i0 = 0;
+#if defined(KVP_QUANT_VECTOR)
+  for (; i0 + 8 <= count; i0 += 8)
+    if (!detail::encode_value_groups8(v + i0 * Blk::group, blocks + i0))
+      for (int i = 0; i < 8; ++i) quantize_group(v + (i0 + i) * Blk::group, blocks[i0 + i]);
+#endif
   // quantize_group per block, in chunks of kBlocks: all ranges of a chunk first, so that the
   // dependent divisions of quant_range can overlap across blocks.
   constexpr std::int64_t kBlocks = 16;
-  const std::int64_t count = n * per_row;  // block i: values [i G, (i + 1) G) of the rows [n][d]
-  for (std::int64_t i0 = 0; i0 < count; i0 += kBlocks) {
+  for (; i0 < count; i0 += kBlocks) {
     const std::int64_t m = std::min(kBlocks, count - i0);
     float lo[kBlocks], hi[kBlocks];
     QuantRange r[kBlocks];
