@@ -8,6 +8,7 @@
 // seeds in order: for each seed, one thread per remaining candidate tests the cosine (its own
 // fp64 dot product, summed in the CPU's order), so every decision matches SemanticMerger's.
 // Cores are written with one thread per head_dim column summing the members in candidate order.
+// Built with --fmad=false (cuda/CMakeLists.txt): no multiply-add is contracted into an FMA.
 // Rows are independent, so a grid-stride loop over rows needs no inter-block ordering; the
 // scratch (candidates, owners, norms, roles) is one row's worth per block in the workspace.
 #include <cuda_bf16.h>

@@ -245,7 +245,7 @@ Semantic semantic_of(const MCase& mc) {
 
 template <class T>
 bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 // Rows whose log_count changed: cores formed (guards against cases that merge nothing).

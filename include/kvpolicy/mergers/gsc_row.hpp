@@ -133,13 +133,23 @@ KVP_HD inline bool core_uses_importance(const CoreStats& s) {
   return s.importance && finite(s.wsum) && s.wsum > 0.0;
 }
 
+// A product rounded on its own: the caller adds it up (`ws += w`), which nvcc would otherwise
+// be free to contract into an FMA.
 KVP_HD inline double member_weight(bool importance, double count, float score) {
+#if defined(__CUDA_ARCH__)
+  return importance ? __dmul_rn(count, static_cast<double>(score)) : count;
+#else
   return importance ? count * static_cast<double>(score) : count;
+#endif
 }
 
 // sum * (1 / weight) rounded to float (the caller converts float -> cache type).
 KVP_HD inline float mean_value(double sum, double inv_weight) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rn(__dmul_rn(sum, inv_weight));
+#else
   return static_cast<float>(sum * inv_weight);
+#endif
 }
 
 // ---- one row as a block's work ------------------------------------------------------------------
