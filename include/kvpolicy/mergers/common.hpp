@@ -11,6 +11,7 @@
 
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/mergers/gsc_row.hpp"
 
 namespace kvpolicy::merge_detail {
 
@@ -63,11 +64,13 @@ void validate(const MergeArgs<T>& a, std::string_view who, bool needs_scores) {
 
 // The count a token stands for. Counts are integers; rounding exp(log_count) keeps their sums
 // exact across events (float log_count carries ~1e-7 relative error).
-inline double count_of(float log_count) { return std::nearbyint(std::exp(static_cast<double>(log_count))); }
+inline double count_of(float log_count) { return gsc::count_of(log_count); }
 
 // Per-row token roles. Tokens in the protected ranges (first `sinks`, last `recent`, as the
 // selection protected them) are never seeds, members or targets.
-enum class Role : std::uint8_t { evicted, kept, protected_ };
+// Same values as gsc::role_* (the CUDA path and mark_chunk_end read them as bytes).
+enum class Role : std::uint8_t { evicted = gsc::role_evicted, kept = gsc::role_kept,
+                                 protected_ = gsc::role_protected };
 
 inline void row_roles(std::int64_t tokens, Protect p, std::span<const std::int32_t> kept,
                       std::vector<Role>& roles) {
@@ -113,10 +116,12 @@ class RowAccumulator {
            double count, bool with_keys) {
     if (with_keys) {
       load_row(a.keys, l, h, t, tmp_.data());
-      for (std::int64_t i = 0; i < d_; ++i) k_[static_cast<std::size_t>(i)] += w * tmp_[static_cast<std::size_t>(i)];
+      for (std::int64_t i = 0; i < d_; ++i)
+        k_[static_cast<std::size_t>(i)] = gsc::add_product(k_[static_cast<std::size_t>(i)], w, tmp_[static_cast<std::size_t>(i)]);
     }
     load_row(a.values, l, h, t, tmp_.data());
-    for (std::int64_t i = 0; i < d_; ++i) v_[static_cast<std::size_t>(i)] += w * tmp_[static_cast<std::size_t>(i)];
+    for (std::int64_t i = 0; i < d_; ++i)
+      v_[static_cast<std::size_t>(i)] = gsc::add_product(v_[static_cast<std::size_t>(i)], w, tmp_[static_cast<std::size_t>(i)]);
     weight_ += w;
     count_ += count;
   }
@@ -127,7 +132,7 @@ class RowAccumulator {
     for (auto& x : v_) x *= inv;
     if (with_keys) store_row(a.keys, l, h, t, k_.data());
     store_row(a.values, l, h, t, v_.data());
-    log_count_row[t] = static_cast<float>(std::log(count_));
+    log_count_row[t] = gsc::log_count_of(count_);
   }
 
  private:

@@ -54,6 +54,7 @@
 #include "kvpolicy/core/topk_key.hpp"
 #include "kvpolicy/cpu/parallel.hpp"
 #include "kvpolicy/mergers/common.hpp"
+#include "kvpolicy/mergers/gsc_row.hpp"
 
 namespace kvpolicy {
 
@@ -63,7 +64,7 @@ enum class MergeWeight : std::uint8_t { importance, mean };
 struct Semantic {
   static constexpr std::string_view name = "semantic";
   static constexpr std::size_t max_delimiters = 15;
-  static constexpr double cos_slack = 1e-9;
+  static constexpr double cos_slack = gsc::cos_slack;
 
   float tau = 0.9f;         // cosine threshold in [-1, 1]
   std::int64_t chunk = 32;  // fixed chunk length (no mask) or cap (with a mask); 0: no cap
@@ -167,23 +168,12 @@ struct Semantic {
     merge_detail::RowAccumulator<T> acc(a.keys.dim);
     std::int64_t start = 0;
     for (std::int64_t j = 0; j < Tk; ++j) {
-      const bool last = (delim && delim[j] != 0) || (chunk > 0 && j - start + 1 == chunk) ||
-                        j == Tk - 1;
-      if (!last) continue;
+      if (!gsc::ends_chunk(delim, chunk, start, j, Tk)) continue;
       // delim[start..j] has been read, so writing ends[start..j] is safe when they alias.
-      if (ends) mark_chunk_end(s.roles, start, j, ends);
+      if (ends)
+        gsc::mark_chunk_end(reinterpret_cast<const std::uint8_t*>(s.roles.data()), start, j, ends);
       if (evicts) merge_chunk(a, l, h, start, j + 1, s, acc);
       start = j + 1;
-    }
-  }
-
-  static void mark_chunk_end(const std::vector<merge_detail::Role>& roles, std::int64_t b,
-                             std::int64_t e, std::uint8_t* ends) {
-    bool seen = false;
-    for (std::int64_t j = e; j >= b; --j) {
-      if (roles[static_cast<std::size_t>(j)] == merge_detail::Role::evicted) continue;
-      ends[j] = seen ? 0 : 1;
-      seen = true;
     }
   }
 
@@ -214,7 +204,7 @@ struct Semantic {
       double* k = s.keys.data() + i * d;
       merge_detail::load_row(a.keys, l, h, s.cand[i], k);
       double q = 0;
-      for (std::size_t x = 0; x < d; ++x) q += k[x] * k[x];
+      for (std::size_t x = 0; x < d; ++x) q = gsc::add_product(q, k[x], k[x]);
       s.norm2[i] = q;
     }
     s.owner.assign(n, -1);
@@ -233,17 +223,13 @@ struct Semantic {
 
   bool similar(const Scratch& s, std::size_t i, std::size_t m, std::size_t d) const {
     const double ni = s.norm2[i], nm = s.norm2[m];
-    double c;
-    if (ni == 0.0 || nm == 0.0) {
-      c = (ni == 0.0 && nm == 0.0) ? 1.0 : 0.0;
-    } else {
+    double dot = 0;
+    if (ni != 0.0 && nm != 0.0) {
       const double* x = s.keys.data() + i * d;
       const double* y = s.keys.data() + m * d;
-      double dot = 0;
-      for (std::size_t k = 0; k < d; ++k) dot += x[k] * y[k];
-      c = dot / std::sqrt(ni * nm);
+      for (std::size_t k = 0; k < d; ++k) dot = gsc::add_product(dot, x[k], y[k]);
     }
-    return c >= static_cast<double>(tau) - cos_slack;
+    return gsc::similar(dot, ni, nm, tau);
   }
 
   template <Element T>
@@ -254,24 +240,23 @@ struct Semantic {
     const auto score = a.scores->row(l, h);
     const auto me = static_cast<std::int32_t>(seed);
     // Members in candidate order (the seed first): a fixed order, so sums are reproducible.
-    bool any = false, importance = weight == MergeWeight::importance;
-    double wsum = 0;
+    gsc::CoreStats st;
+    st.importance = weight == MergeWeight::importance;
     for (std::size_t m = 0; m < s.owner.size(); ++m) {
       if (s.owner[m] != me) continue;
-      any = any || m != seed;
-      const double sc = score[static_cast<std::size_t>(s.cand[m])];
-      importance = importance && std::isfinite(sc) && sc >= 0.0;
-      if (importance) wsum += merge_detail::count_of(lc[s.cand[m]]) * sc;
+      const std::int32_t j = s.cand[m];
+      gsc::core_stats_add(st, m == seed, score[static_cast<std::size_t>(j)],
+                          merge_detail::count_of(lc[j]));
     }
-    if (!any) return;
-    importance = importance && std::isfinite(wsum) && wsum > 0.0;
+    if (!st.any) return;
+    const bool importance = gsc::core_uses_importance(st);
     acc.reset();
     for (std::size_t m = 0; m < s.owner.size(); ++m) {
       if (s.owner[m] != me) continue;
       const std::int32_t j = s.cand[m];
       const double c = merge_detail::count_of(lc[j]);
-      const double w = importance ? c * static_cast<double>(score[static_cast<std::size_t>(j)]) : c;
-      acc.add(a, l, h, j, w, c, true);
+      acc.add(a, l, h, j, gsc::member_weight(importance, c, score[static_cast<std::size_t>(j)]),
+              c, true);
     }
     acc.write(a, l, h, s.cand[seed], true, lc);
   }
