@@ -447,3 +447,63 @@ TEST_CASE("merge agreement: CUDA semantic merge is bit-identical to the CPU merg
   WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
 #endif
 }
+
+TEST_CASE("merge agreement: the CUDA entry points reject bad arguments before any launch",
+          "[agreement]") {
+#if defined(KVPOLICY_WITH_CUDA)
+  // Host pointers stand in for device ones: every check below fails before a kernel is launched,
+  // so this runs without a GPU.
+  std::vector<float> k(2 * 3 * 10 * 4), v(k.size()), lc(2 * 3 * 10), sc(lc.size());
+  std::vector<std::int64_t> off(7, 0);
+  std::vector<std::int32_t> idx(1, 0);
+  cuda::SemanticMergeArgs a;
+  a.keys = {k.data(), 4, 2, 3, 10, 4, 120, 40, 4, 1};
+  a.values = {v.data(), 4, 2, 3, 10, 4, 120, 40, 4, 1};
+  a.selection = {2, 3, off.data(), idx.data(), 1};
+  a.scores = sc.data();
+  a.log_count = lc.data();
+  gsc::Params p;
+  cuda_backend be;  // no workspace
+  CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::insufficient_workspace);
+  CHECK(cuda::semantic_merge_workspace_bytes(6, 10) ==
+        static_cast<std::size_t>(6 * gsc::scratch_row_bytes(10)));
+  CHECK(cuda::semantic_merge_workspace_bytes(1000, 10) ==
+        static_cast<std::size_t>(cuda::semantic_merge_max_blocks * gsc::scratch_row_bytes(10)));
+  CHECK(gsc::scratch_row_bytes(10) == 16 * 17);
+  a.type = cuda::CacheType::f16;  // 4-byte elements
+  CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
+  a.type = cuda::CacheType::f32;
+  p.chunk = 0;  // no mask
+  CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
+  p.chunk = 32;
+  a.selection.heads = 2;
+  CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
+  a.selection.heads = 3;
+  a.log_count = nullptr;
+  CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
+  a.keys.tokens = a.values.tokens = 0;  // nothing to do: success without a launch
+  CHECK(cuda::semantic_merge(be, p, a).ok());
+
+  // The typed wrapper: Semantic's own checks and the chunk_end alias rule.
+  cuda::DeviceMergeArgs<float> t;
+  t.keys = KVView<float>::hnd(k.data(), 2, 3, 10, 4);
+  t.values = KVView<float>::hnd(v.data(), 2, 3, 10, 4);
+  t.selection = {2, 3, off.data(), idx.data(), 1};
+  t.scores = {sc.data(), 2, 3, 10, 10};
+  t.log_count = lc.data();
+  Semantic s;
+  s.chunk = 0;
+  CHECK_THROWS_WITH(cuda::merge(be, s, t), Catch::Contains("chunk must be > 0"));
+  std::vector<std::uint8_t> mask(10, 0);
+  t.delimiter = mask.data();
+  t.chunk_end = mask.data();  // aliases a shared mask over 6 rows
+  CHECK_THROWS_WITH(cuda::merge(be, s, t), Catch::Contains("alias"));
+  t.chunk_end = nullptr;
+  t.scores.tokens = 9;
+  CHECK_THROWS_WITH(cuda::merge(be, s, t), Catch::Contains("scores"));
+  t.scores.tokens = 10;
+  CHECK_THROWS_WITH(cuda::merge(be, s, t), Catch::Contains("insufficient workspace"));
+#else
+  WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
+#endif
+}
