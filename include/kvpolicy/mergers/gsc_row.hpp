@@ -12,8 +12,8 @@
 // merge_detail::store_row does, and log_count = float(log(sum of counts)).
 //
 // Products are added with add_product(): on the device __dmul_rn / __dadd_rn, so nvcc cannot
-// contract them into an FMA (which rounds once and would differ from the host); host code is
-// compiled in ISO mode (CMAKE_CXX_EXTENSIONS OFF), where GCC and Clang do not contract either.
+// contract them into an FMA (which rounds once and would differ from the host), on the host
+// through unfused(), so GCC cannot either (it does by default in C++ on FMA targets).
 //
 // The driver merge_row() is written once for a `Block` policy:
 //   blk.par(f)    f(t, B) for every thread t of the block (device: this thread only)
@@ -35,12 +35,27 @@ inline constexpr double cos_slack = 1e-9;  // Semantic::cos_slack
 
 enum : std::uint8_t { role_evicted = 0, role_kept = 1, role_protected = 2 };
 
+// A host product the compiler cannot fuse with a later addition. GCC contracts `a + x * y` into
+// an FMA in C++ whenever the target has one (-ffp-contract=fast is its C++ default, ISO mode or
+// not: -march=native on x86, always on AArch64); an empty asm makes the value opaque at the cost
+// of nothing but the fusion. (Device code uses __dmul_rn / __dadd_rn instead.)
+inline double unfused(double p) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+  __asm__("" : "+x"(p));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(p));
+#elif defined(__GNUC__)
+  __asm__("" : "+m"(p));
+#endif
+  return p;
+}
+
 // acc + x * y with two roundings (never an FMA).
 KVP_HD inline double add_product(double acc, double x, double y) {
 #if defined(__CUDA_ARCH__)
   return __dadd_rn(acc, __dmul_rn(x, y));
 #else
-  return acc + x * y;
+  return acc + unfused(x * y);
 #endif
 }
 
@@ -139,7 +154,7 @@ KVP_HD inline double member_weight(bool importance, double count, float score) {
 #if defined(__CUDA_ARCH__)
   return importance ? __dmul_rn(count, static_cast<double>(score)) : count;
 #else
-  return importance ? count * static_cast<double>(score) : count;
+  return importance ? unfused(count * static_cast<double>(score)) : count;
 #endif
 }
 
