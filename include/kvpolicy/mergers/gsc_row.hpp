@@ -11,6 +11,11 @@
 // order (one thread per dimension) and rounded once to float and then to the cache type, as
 // merge_detail::store_row does, and log_count = float(log(sum of counts)).
 //
+// Transcendentals are the one place the two sides can differ: count_of (nearbyint(exp)) gives
+// the same integer on both, but log_count = float(log(count)) goes through the device's double
+// log (max 1 ulp error) and glibc's, so its float can differ when log(count) lies within an ulp
+// of a float rounding boundary (about one core in 2^29; not seen in the tests).
+//
 // Products are added with add_product(): on the device __dmul_rn / __dadd_rn, so nvcc cannot
 // contract them into an FMA (which rounds once and would differ from the host), on the host
 // through unfused(), so GCC cannot either (it does by default in C++ on FMA targets).

@@ -44,6 +44,9 @@
 // - Rows (layer, KV head) are independent work items, so a core never mixes heads or layers and
 //   results are bit-identical for any thread count. Cost per row: O(sum over chunks of kept
 //   seeds x chunk length x head_dim).
+// - The rule's arithmetic (chunk ends, the cosine decision, the weight rule, unfused fp64 sums,
+//   counts) lives in gsc_row.hpp as KVP_HD functions, shared with the CUDA kernel
+//   (cuda/merge.cu, cuda/merge.hpp), which gives bit-identical results.
 #pragma once
 #include <cmath>
 #include <cstring>
