@@ -348,6 +348,11 @@ TEST_CASE("merge agreement: emulated kernel rows are bit-identical to the CPU me
   emulation_agrees<half>(108);
 }
 
+TEST_CASE("merge agreement: emulated kernel rows are bit-identical to the CPU merger (bfloat16)",
+          "[agreement]") {
+  emulation_agrees<bfloat16>(54);
+}
+
 TEST_CASE("merge agreement: identical tokens form one core per group at tau 1", "[agreement]") {
   // Row of 12 tokens, keys in two groups of identical keys (tokens 1..5 and 6..11, token 0 a
   // sink); the selection keeps the best of each group, so each group becomes one core.
@@ -443,6 +448,7 @@ TEST_CASE("merge agreement: CUDA semantic merge is bit-identical to the CPU merg
   if (!gpu_present()) return;
   device_agrees<float>(216);
   device_agrees<half>(108);
+  device_agrees<bfloat16>(54);
 #else
   WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
 #endif
