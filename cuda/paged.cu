@@ -20,13 +20,13 @@ struct CompactArgs {
   const std::int64_t* table_offsets;
   const std::int64_t* offsets;
   const std::int32_t* indices;
-  std::int64_t chunk_tokens, chunks_per_row, items;
+  std::int64_t chunk_tokens, chunks_per_row, items;  // items per pool
   unsigned long long* ticket;
-  int* flags;  // one per work item (row * chunks_per_row + chunk): 1 once its reads are done
+  int* flags;  // per pool, per work item (row * chunks_per_row + chunk): 1 once it has read
 };
 
 template <class U>
-__global__ void __launch_bounds__(paged_block) paged_compact_kernel(U* pool, CompactArgs a) {
+__global__ void __launch_bounds__(paged_block) paged_compact_kernel(U* pool0, U* pool1, CompactArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   U* tile = reinterpret_cast<U*>(smem);
   __shared__ unsigned long long item;
@@ -34,8 +34,12 @@ __global__ void __launch_bounds__(paged_block) paged_compact_kernel(U* pool, Com
   // smaller ticket, so its block is already resident and reaches its flag without waiting.
   if (threadIdx.x == 0) item = atomicAdd(a.ticket, 1ull);
   __syncthreads();
-  const auto w = static_cast<std::int64_t>(item);
-  if (w >= a.items) return;
+  // Items [0, items) compact pool0 (keys), [items, 2 items) pool1 (values, if given).
+  const auto wg = static_cast<std::int64_t>(item);
+  const std::int64_t pi = wg >= a.items ? 1 : 0, w = wg - pi * a.items;
+  if (pi == 1 && !pool1) return;
+  U* pool = pi ? pool1 : pool0;
+  int* flags = a.flags + pi * a.items;
   const PagedGeometry& g = a.g;
   const PagedItem it = paged_item(g, w, a.chunks_per_row, a.chunk_tokens, a.ids,
                                   a.table_offsets, a.offsets, a.indices);
@@ -46,13 +50,13 @@ __global__ void __launch_bounds__(paged_block) paged_compact_kernel(U* pool, Com
   __syncthreads();  // every read of this chunk is in the tile
   if (threadIdx.x == 0) {
     __threadfence();
-    atomicExch(a.flags + w, 1);
+    atomicExch(flags + w, 1);
   }
   if (!it.moves) return;
   if (threadIdx.x == 0) {
     const ChunkRange wait = paged_chunk_waits(it.kept, it.n, a.chunk_tokens, it.j);
     for (std::int64_t k = wait.first; k <= wait.last; ++k) {
-      const volatile int* f = a.flags + it.row * a.chunks_per_row + k;
+      const volatile int* f = flags + it.row * a.chunks_per_row + k;
       while (*f == 0) {
       }
     }
@@ -137,14 +141,16 @@ CompactPlan plan(const PagedRowsView& p, const PagedTables& t) {
   c.chunks_per_row = t.max_tokens > 0 ? (t.max_tokens + c.chunk_tokens - 1) / c.chunk_tokens : 0;
   c.rows = t.requests * p.layers * p.heads;
   c.items = c.rows * c.chunks_per_row;
-  c.bytes = c.items > 0 ? sizeof(unsigned long long) + static_cast<std::size_t>(c.items) * sizeof(int)
-                        : 0;
+  // The ticket and two pools' flags (keys and values in one launch).
+  c.bytes = c.items > 0
+                ? sizeof(unsigned long long) + 2 * static_cast<std::size_t>(c.items) * sizeof(int)
+                : 0;
   c.bytes = (c.bytes + 255) / 256 * 256;
   return c;
 }
 
 template <class U>
-Status launch_compact(const cuda_backend& be, const PagedRowsView& p, int unit,
+Status launch_compact(const cuda_backend& be, const PagedRowsView& p, void* second, int unit,
                       const PagedTables& t, const CsrSelection& sel, const CompactPlan& c) {
   cudaStream_t s = detail::stream_of(be.stream);
   KVP_CUDA_TRY(cudaMemsetAsync(be.workspace, 0, c.bytes, s));
@@ -164,8 +170,9 @@ Status launch_compact(const cuda_backend& be, const PagedRowsView& p, int unit,
   KVP_CUDA_TRY(cudaFuncSetAttribute(paged_compact_kernel<U>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-  paged_compact_kernel<U><<<static_cast<unsigned>(c.items), paged_block, smem, s>>>(
-      static_cast<U*>(p.data), a);
+  const auto grid = static_cast<unsigned>(second ? 2 * c.items : c.items);
+  paged_compact_kernel<U><<<grid, paged_block, smem, s>>>(static_cast<U*>(p.data),
+                                                           static_cast<U*>(second), a);
   KVP_CUDA_TRY(cudaGetLastError());
   return {};
 }
@@ -195,27 +202,60 @@ std::size_t paged_compact_workspace_bytes(const PagedRowsView& pool, const Paged
   return plan(pool, tables).bytes;
 }
 
-Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& p, const PagedTables& t,
+namespace {
+
+bool same_geometry(const PagedRowsView& a, const PagedRowsView& b) {
+  return a.elem_bytes == b.elem_bytes && a.num_blocks == b.num_blocks && a.layers == b.layers &&
+         a.heads == b.heads && a.page_size == b.page_size && a.dim == b.dim &&
+         a.stride_layer == b.stride_layer && a.stride_block == b.stride_block &&
+         a.stride_head == b.stride_head && a.stride_token == b.stride_token &&
+         a.stride_dim == b.stride_dim;
+}
+
+// One launch for `p` (and `second`, a pool of identical geometry and copy unit, if not null).
+Status compact_pools(const cuda_backend& be, const PagedRowsView& p, void* second, int unit,
+                     const PagedTables& t, const CsrSelection& sel, const CompactPlan& c) {
+  switch (unit) {
+    case 16: return launch_compact<uint4>(be, p, second, 16, t, sel, c);
+    case 8: return launch_compact<uint2>(be, p, second, 8, t, sel, c);
+    case 4: return launch_compact<std::uint32_t>(be, p, second, 4, t, sel, c);
+    case 2: return launch_compact<std::uint16_t>(be, p, second, 2, t, sel, c);
+    default: return launch_compact<std::uint8_t>(be, p, second, 1, t, sel, c);
+  }
+}
+
+}  // namespace
+
+Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& keys,
+                          const PagedRowsView& values, const PagedTables& t,
                           const CsrSelection& sel) {
-  if (Status st = check_pool(p); !st.ok()) return st;
+  if (Status st = check_pool(keys); !st.ok()) return st;
+  const bool with_values = values.data != nullptr;
+  if (with_values) {
+    if (Status st = check_pool(values); !st.ok()) return st;
+    if (values.num_blocks != keys.num_blocks || values.layers != keys.layers ||
+        values.heads != keys.heads || values.page_size != keys.page_size ||
+        values.dim != keys.dim || values.data == keys.data)
+      return detail::invalid("values pool does not match the keys pool (or is the same memory)");
+  }
   if (t.requests < 0 || t.max_tokens < 0) return detail::invalid("negative request count");
-  if (sel.layers != t.requests * p.layers || sel.heads != p.heads)
+  if (sel.layers != t.requests * keys.layers || sel.heads != keys.heads)
     return detail::invalid("selection shape differs from requests * layers x heads");
-  const CompactPlan c = plan(p, t);
-  if (c.items == 0 || p.dim == 0) return {};
-  if (!p.data || !t.ids || !t.offsets || !sel.offsets || !sel.indices)
+  const CompactPlan c = plan(keys, t);
+  if (c.items == 0 || keys.dim == 0) return {};
+  if (!keys.data || !t.ids || !t.offsets || !sel.offsets || !sel.indices)
     return detail::invalid("null pointer");
   if (be.workspace_bytes < c.bytes || !be.workspace)
     return {StatusCode::insufficient_workspace, 0,
             "workspace below paged_compact_workspace_bytes"};
-  if (c.items > 0x7fffffff) return detail::invalid("too many chunks for one grid");
-  switch (pick_unit(p, nullptr)) {
-    case 16: return launch_compact<uint4>(be, p, 16, t, sel, c);
-    case 8: return launch_compact<uint2>(be, p, 8, t, sel, c);
-    case 4: return launch_compact<std::uint32_t>(be, p, 4, t, sel, c);
-    case 2: return launch_compact<std::uint16_t>(be, p, 2, t, sel, c);
-    default: return launch_compact<std::uint8_t>(be, p, 1, t, sel, c);
-  }
+  if (2 * c.items > 0x7fffffff) return detail::invalid("too many chunks for one grid");
+  const int uk = pick_unit(keys, nullptr);
+  if (!with_values) return compact_pools(be, keys, nullptr, uk, t, sel, c);
+  const int uv = pick_unit(values, nullptr);
+  if (same_geometry(keys, values) && uk == uv)
+    return compact_pools(be, keys, values.data, uk, t, sel, c);
+  if (Status st = compact_pools(be, keys, nullptr, uk, t, sel, c); !st.ok()) return st;
+  return compact_pools(be, values, nullptr, uv, t, sel, c);  // stream order: after the keys
 }
 
 Status paged_gather_rows(const cuda_backend& be, const PagedRowsView& p,

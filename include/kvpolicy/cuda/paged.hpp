@@ -109,17 +109,17 @@ void paged_compact(const cuda_backend& be, const PagedKVView<T>& keys,
   KVP_REQUIRE(tables.requests >= 0 && tables.max_tokens >= 0,
               "paged_compact: negative request count or max_tokens");
   require_selection_shape(sel, tables.requests * keys.layers, keys.heads, "paged_compact");
-  throw_if_error(paged_compact_rows(be, paged_rows_view(keys), tables, sel),
-                 "cuda::paged_compact (keys)");
+  PagedRowsView vr{};
   if (values.data) {
     validate(values, "paged_compact: values");
     KVP_REQUIRE(values.num_blocks == keys.num_blocks && values.layers == keys.layers &&
                     values.heads == keys.heads && values.page_size == keys.page_size &&
                     values.dim == keys.dim && values.data != keys.data,
                 "paged_compact: values pool does not match keys pool (or is the same memory)");
-    throw_if_error(paged_compact_rows(be, paged_rows_view(values), tables, sel),
-                   "cuda::paged_compact (values)");
+    vr = paged_rows_view(values);
   }
+  throw_if_error(paged_compact_rows(be, paged_rows_view(keys), vr, tables, sel),
+                 "cuda::paged_compact");
 }
 
 // One request's tokens into a dense device view dst [L][H][length][dim] (same element type).

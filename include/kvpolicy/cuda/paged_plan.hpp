@@ -54,17 +54,19 @@ struct PagedTables {
   std::int64_t max_tokens = 0;
 };
 
-// Workspace (flags and the ticket counter) for paged_compact_rows; 256-byte aligned memory.
+// Workspace (the ticket counter and a flag per chunk of each pool) for paged_compact_rows.
 std::size_t paged_compact_workspace_bytes(const PagedRowsView& pool, const PagedTables& tables);
 
 // Row i of every (request, layer, head) becomes the row of its i-th kept token, inside the
-// request's own blocks; rows already in place (kept[i] == i) and rows past the kept count are not
-// written. `sel` is a device CSR over rows ((q * layers + l) * heads + h), i.e. sel.layers ==
-// requests * layers, each row ascending and below the request's length (trusted, as select()
-// writes it). Bit-identical to kvpolicy::paged_compact of each request (without shared blocks:
-// the shared-block check needs the selection on the host, see paged.hpp).
-Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& pool,
-                          const PagedTables& tables, const CsrSelection& sel);
+// request's own blocks, in the keys pool and (when values.data is set) the values pool; rows
+// already in place (kept[i] == i) and rows past the kept count are not written. `sel` is a
+// device CSR over rows ((q * layers + l) * heads + h), i.e. sel.layers == requests * layers, each
+// row ascending and below the request's length (trusted, as select() writes it). Pools of one
+// geometry are compacted in one launch. Bit-identical to kvpolicy::paged_compact of each request
+// (without shared blocks: the shared-block check needs the selection on the host, see paged.hpp).
+Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& keys,
+                          const PagedRowsView& values, const PagedTables& tables,
+                          const CsrSelection& sel);
 
 // Copies one request's tokens (device block table `table`, `length` tokens) into the dense rows
 // `dst` [layers][heads][length][dim] (same element size, any strides; must not overlap the pool).
