@@ -484,3 +484,48 @@ TEST_CASE("cuda::paged_gather equals kvpolicy::paged_gather", "[agreement][gpu]"
   }
 #endif
 }
+
+TEST_CASE("cuda::paged_compact_rows rejects bad arguments before any device work",
+          "[agreement]") {
+#if !defined(KVPOLICY_WITH_CUDA)
+  WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
+#else
+  // Host pointers are fine here: every case fails its checks before touching memory.
+  std::vector<half> k(2 * 1 * 2 * 4 * 8), v(k.size());
+  std::vector<std::int32_t> ids{1, 0};
+  std::vector<std::int64_t> toff{0, 2}, off{0, 1, 2};
+  std::vector<std::int32_t> idx{3, 5};
+  auto kv = cuda::paged_rows_view(PagedKVView<half>::nhd(k.data(), 2, 1, 2, 4, 8));
+  auto vv = cuda::paged_rows_view(PagedKVView<half>::nhd(v.data(), 2, 1, 2, 4, 8));
+  const cuda::PagedTables t{ids.data(), toff.data(), 1, 8};
+  const cuda::CsrSelection sel{1, 2, off.data(), idx.data(), 2};
+  const std::size_t wsb = cuda::paged_compact_workspace_bytes(kv, t);
+  CHECK(wsb >= sizeof(unsigned long long) + 2 * 2 * sizeof(int));  // 2 rows x 1 chunk, 2 pools
+  const cuda_backend no_ws{};
+  CHECK(cuda::paged_compact_rows(no_ws, kv, vv, t, sel).code ==
+        cuda::StatusCode::insufficient_workspace);
+  const cuda::CsrSelection wrong{2, 2, off.data(), idx.data(), 2};
+  CHECK(cuda::paged_compact_rows(no_ws, kv, vv, t, wrong).code ==
+        cuda::StatusCode::invalid_argument);
+  auto same = kv;
+  CHECK(cuda::paged_compact_rows(no_ws, kv, same, t, sel).code ==
+        cuda::StatusCode::invalid_argument);
+  auto odd = kv;
+  odd.elem_bytes = 3;
+  CHECK(cuda::paged_compact_rows(no_ws, odd, {}, t, sel).code ==
+        cuda::StatusCode::invalid_argument);
+  auto zero_page = kv;
+  zero_page.page_size = 0;
+  CHECK(cuda::paged_compact_rows(no_ws, zero_page, {}, t, sel).code ==
+        cuda::StatusCode::invalid_argument);
+  const cuda::PagedTables empty{ids.data(), toff.data(), 0, 0};
+  const cuda::CsrSelection none{0, 2, nullptr, nullptr, 0};
+  CHECK(cuda::paged_compact_rows(no_ws, kv, vv, empty, none).ok());  // nothing to do
+  CHECK(cuda::paged_gather_rows(no_ws, kv, ids.data(), -1, {}).code ==
+        cuda::StatusCode::invalid_argument);
+  CHECK_THROWS_WITH(cuda::paged_compact(no_ws, PagedKVView<half>::nhd(k.data(), 2, 1, 2, 4, 8),
+                                        PagedKVView<half>::nhd(v.data(), 2, 1, 2, 4, 8), t,
+                                        wrong),
+                    Catch::Matchers::Contains("selection"));
+#endif
+}
