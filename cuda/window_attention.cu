@@ -68,18 +68,19 @@ struct OwnRow {
 #pragma unroll
     for (int c = 0; c < D; ++c) v[c] = src[c];
   }
-  // Same order as scoring::dot: index order, fused multiply-adds. `b` is 16-byte aligned.
+  // Same order as scoring::dot (four FMA chains over c % 4). `b` is 16-byte aligned.
   __device__ float dot(const float* b, int) const {
-    float acc = 0.f;
+    static_assert(D % 4 == 0, "fixed head dims are multiples of 4");
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
     for (int c = 0; c < D; c += 4) {
       const float4 x = *reinterpret_cast<const float4*>(b + c);
-      acc = fmaf(v[c], x.x, acc);
-      acc = fmaf(v[c + 1], x.y, acc);
-      acc = fmaf(v[c + 2], x.z, acc);
-      acc = fmaf(v[c + 3], x.w, acc);
+      a0 = fmaf(v[c], x.x, a0);
+      a1 = fmaf(v[c + 1], x.y, a1);
+      a2 = fmaf(v[c + 2], x.z, a2);
+      a3 = fmaf(v[c + 3], x.w, a3);
     }
-    return acc;
+    return (a0 + a1) + (a2 + a3);
   }
 };
 template <>

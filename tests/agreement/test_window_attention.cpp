@@ -247,6 +247,21 @@ TEST_CASE("online softmax statistics equal the two-pass max and sum", "[agreemen
   CHECK(std::isinf(e.max));
 }
 
+TEST_CASE("the kernels' dot product equals a double-precision dot product", "[agreement]") {
+  kvtest::Rng rng(3);
+  for (int d = 1; d <= 130; d += (d < 12 ? 1 : 39)) {
+    std::vector<float> a(static_cast<std::size_t>(d)), b(a.size());
+    double want = 0, mag = 0;
+    for (std::size_t c = 0; c < a.size(); ++c) {
+      a[c] = rng.normal(), b[c] = rng.normal();
+      want += static_cast<double>(a[c]) * b[c];
+      mag += std::abs(static_cast<double>(a[c]) * b[c]);
+    }
+    INFO("d=" << d);
+    CHECK(std::abs(sm::dot(a.data(), b.data(), d) - want) <= 1e-6 * mag);
+  }
+}
+
 TEST_CASE("masking, split and normalisation helpers follow the CPU reference's rules",
           "[agreement]") {
   for (std::int64_t T : {1, 5, 37}) {

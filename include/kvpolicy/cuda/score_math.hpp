@@ -68,11 +68,21 @@ KVP_HD inline RowStat stat_merge(RowStat a, RowStat b) {
 // Softmax probability of one (query, key) pair from the query row's final statistics.
 KVP_HD inline float attn_prob(float logit, RowStat s) { return expf(logit - s.max) / s.sum; }
 
-// Dot product of two fp32 rows, in index order with fused multiply-adds (the kernels' order).
+// Dot product of two fp32 rows in the kernels' order: four fused multiply-add chains over the
+// indices c % 4 (independent chains hide the FMA latency), summed as (a0 + a1) + (a2 + a3).
 KVP_HD inline float dot(const float* a, const float* b, int d) {
-  float acc = 0.f;
-  for (int c = 0; c < d; ++c) acc = fmaf(a[c], b[c], acc);
-  return acc;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  int c = 0;
+  for (; c + 4 <= d; c += 4) {
+    a0 = fmaf(a[c], b[c], a0);
+    a1 = fmaf(a[c + 1], b[c + 1], a1);
+    a2 = fmaf(a[c + 2], b[c + 2], a2);
+    a3 = fmaf(a[c + 3], b[c + 3], a3);
+  }
+  if (c < d) a0 = fmaf(a[c], b[c], a0);
+  if (c + 1 < d) a1 = fmaf(a[c + 1], b[c + 1], a1);
+  if (c + 2 < d) a2 = fmaf(a[c + 2], b[c + 2], a2);
+  return (a0 + a1) + (a2 + a3);
 }
 
 // ---- GQA reduction over a group's heads -----------------------------------------------------
