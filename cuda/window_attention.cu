@@ -240,6 +240,19 @@ __global__ void snapkv_pool_kernel(const float* colsum, std::int64_t rows, std::
   }
 }
 
+// ---- H2O from given state --------------------------------------------------------------------
+
+__global__ void h2o_state_kernel(const float* acc, const float* obs, std::int64_t state_stride,
+                                 bool normalize, std::int64_t rows, std::int64_t T, float* out,
+                                 std::int64_t out_stride) {
+  const std::int64_t n = rows * T;
+  for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
+       e += std::int64_t{gridDim.x} * blockDim.x) {
+    const std::int64_t r = e / T, j = e % T, at = r * state_stride + j;
+    out[r * out_stride + j] = scoring::h2o_from_state(acc[at], obs ? obs + at : nullptr, normalize);
+  }
+}
+
 // ---- host side ------------------------------------------------------------------------------
 
 constexpr std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
@@ -429,6 +442,25 @@ Status h2o_score(const cuda_backend& be, const TensorView& keys, const TensorVie
   if (Status e = check_out(out, keys); !e.ok()) return e;
   return run(be, keys, queries, shape_of(keys, queries, queries.tokens), reduce, normalize,
              out.data, out.row_stride);
+}
+
+Status h2o_score_from_state(const cuda_backend& be, const float* accumulated,
+                            const float* observed, std::int64_t state_stride, bool normalize,
+                            const MutableScoreView& out) {
+  if (out.layers < 0 || out.heads < 0 || out.tokens < 0)
+    return detail::invalid("negative output extent");
+  const std::int64_t rows = out.layers * out.heads;
+  if (rows == 0 || out.tokens == 0) return {};
+  if (!accumulated || !out.data) return detail::invalid("null accumulator or output pointer");
+  if (normalize && !observed) return detail::invalid("normalize needs the observed counts");
+  if (state_stride < out.tokens) return detail::invalid("state stride below tokens");
+  if (out.row_stride < out.tokens) return detail::invalid("output row stride below tokens");
+  h2o_state_kernel<<<detail::grid_for(rows * out.tokens, 256), 256, 0,
+                     detail::stream_of(be.stream)>>>(accumulated, observed, state_stride,
+                                                     normalize, rows, out.tokens, out.data,
+                                                     out.row_stride);
+  KVP_CUDA_TRY(cudaGetLastError());
+  return {};
 }
 
 }  // namespace kvpolicy::cuda

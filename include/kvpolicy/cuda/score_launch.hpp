@@ -61,4 +61,11 @@ Status h2o_workspace_bytes(const TensorView& keys, const TensorView& queries, st
 Status h2o_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
                  scoring::Reduce reduce, bool normalize, const MutableScoreView& out);
 
+// H2O::score from given state (a Session's accumulators, device memory, rows of `state_stride`
+// floats): the accumulators, or divided by the observed-query counts when normalize (then
+// `observed` must be given). No workspace.
+Status h2o_score_from_state(const cuda_backend& be, const float* accumulated,
+                            const float* observed, std::int64_t state_stride, bool normalize,
+                            const MutableScoreView& out);
+
 }  // namespace kvpolicy::cuda

@@ -152,4 +152,11 @@ KVP_HD inline float h2o_seen(std::int64_t j, std::int64_t nq, std::int64_t T) {
   return static_cast<float>(T - (j > first ? j : first));
 }
 
+// H2O's score of one key from given state: the accumulator, or with normalize (and counts
+// given) the accumulator over the number of queries that saw the key (0 where none did).
+KVP_HD inline float h2o_from_state(float acc, const float* observed, bool normalize) {
+  if (!normalize || !observed) return acc;
+  return *observed > 0 ? acc / *observed : 0.f;
+}
+
 }  // namespace kvpolicy::cuda::scoring

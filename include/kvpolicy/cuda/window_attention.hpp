@@ -120,20 +120,32 @@ void score(const cuda_backend& be, const SnapKV& s, const Inputs<T>& in,
 
 template <Element T>
 std::size_t score_workspace_bytes(const H2O&, const Inputs<T>& in) {
+  if (in.accumulated) return 0;
   std::size_t b = 0;
   return detail::bytes_or_throw(
       h2o_workspace_bytes(tensor_view(in.keys), tensor_view(in.queries), b), b,
       "cuda::score_workspace_bytes(h2o)");
 }
 
-// H2O::score from all given queries (the accumulator path, with given state, stays on the host
-// side of a Session): column sums, divided by the number of observing queries when normalize.
+// H2O::score: from given state (in.accumulated / in.observed, device memory) when present, else
+// from all given queries (column sums, divided by the number of observing queries when
+// normalize). No workspace on the state path.
 template <Element T>
 void score(const cuda_backend& be, const H2O& s, const Inputs<T>& in,
            const MutableScoreView& out) {
   s.validate();
-  KVP_REQUIRE(!in.accumulated, "cuda::score(h2o): given accumulators are not supported on the "
-                               "device; pass queries");
+  if (in.accumulated) {
+    KVP_REQUIRE(!s.normalize || in.observed, "h2o: normalize=true with given accumulators "
+                                             "also needs the observed-query counts");
+    KVP_REQUIRE(out.data && out.layers == in.layers() && out.heads == in.kv_heads() &&
+                    out.tokens == in.tokens() && out.row_stride >= out.tokens,
+                "cuda::score(h2o): output score view must be non-null [", in.layers(), ",",
+                in.kv_heads(), ",", in.tokens(), "] with row_stride >= tokens");
+    throw_if_error(h2o_score_from_state(be, in.accumulated, in.observed, in.state_row_stride(),
+                                        s.normalize, out),
+                   "cuda::score(h2o)");
+    return;
+  }
   KVP_REQUIRE(in.queries.data && in.queries.tokens > 0,
               "h2o: needs accumulated attention or the queries to compute it");
   detail::require_score_args(be, in.keys, in.queries, in.queries.tokens, out,
