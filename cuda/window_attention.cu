@@ -269,6 +269,8 @@ Status check_views(const TensorView& k, const TensorView& q, std::int64_t nq) {
   if (nq < 1 || nq > q.tokens || nq > k.tokens)
     return detail::invalid("need 1..min(T, query tokens) queries");
   if (k.dim > kMaxDim) return detail::invalid("head_dim above 256 is not supported");
+  if (k.layers * k.heads > 65535)
+    return detail::invalid("more than 65535 (layer, KV head) rows: launch per layer group");
   const std::int64_t str[] = {k.stride_layer, k.stride_head, k.stride_token, k.stride_dim,
                               q.stride_layer, q.stride_head, q.stride_token, q.stride_dim};
   for (std::int64_t x : str)
