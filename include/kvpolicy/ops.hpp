@@ -11,9 +11,11 @@
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/cpu/compact.hpp"
 #include "kvpolicy/cpu/select.hpp"
+#include "kvpolicy/cpu/window_attention.hpp"
 #if defined(KVPOLICY_WITH_CUDA)
 #include "kvpolicy/cuda/compact.hpp"
 #include "kvpolicy/cuda/select.hpp"
+#include "kvpolicy/cuda/window_attention.hpp"
 #endif
 
 namespace kvpolicy::ops {
@@ -58,6 +60,18 @@ void compact_state(const cpu_backend& be, S* data, std::int64_t stride_layer,
   cpu::compact_state(be, data, stride_layer, stride_head, sel);
 }
 
+// Column sums of the causal softmax of all of `queries` (the last n_q) over `keys`, GQA-reduced.
+template <Element T>
+std::size_t window_attention_workspace_bytes(const cpu_backend&, const KVView<const T>&,
+                                             const KVView<const T>&) {
+  return 0;
+}
+template <Element T>
+void window_attention(const cpu_backend& be, const KVView<const T>& keys,
+                      const KVView<const T>& queries, GqaReduce reduce, ScoreMap& out) {
+  cpu::window_attention(be, keys, queries, reduce, out);
+}
+
 // ---- CUDA -----------------------------------------------------------------------------------
 #if defined(KVPOLICY_WITH_CUDA)
 
@@ -95,6 +109,19 @@ template <class S>
 void compact_state(const cuda_backend& be, S* data, std::int64_t stride_layer,
                    std::int64_t stride_head, const cuda::CsrSelection& sel) {
   cuda::compact_state(be, data, stride_layer, stride_head, sel);
+}
+
+// `out` is a device score view [L][Hkv][T]; see cuda/window_attention.hpp.
+template <Element T>
+std::size_t window_attention_workspace_bytes(const cuda_backend&, const KVView<const T>& keys,
+                                             const KVView<const T>& queries) {
+  return cuda::window_attention_workspace_bytes(keys, queries, queries.tokens);
+}
+template <Element T>
+void window_attention(const cuda_backend& be, const KVView<const T>& keys,
+                      const KVView<const T>& queries, GqaReduce reduce,
+                      const cuda::MutableScoreView& out) {
+  cuda::window_attention(be, keys, queries, reduce, queries.tokens, out);
 }
 
 #endif  // KVPOLICY_WITH_CUDA

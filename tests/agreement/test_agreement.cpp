@@ -21,6 +21,7 @@
 #include <kvpolicy/cuda/runtime.hpp>
 #endif
 
+#include "agreement/gpu_util.hpp"
 #include "common/random.hpp"
 
 using namespace kvpolicy;
@@ -313,32 +314,12 @@ TEST_CASE("CUDA wrappers reject bad arguments before touching the device", "[agr
 
 namespace {
 
-// True when the CUDA half can run here; otherwise says why, visibly, and the caller returns.
-bool gpu_present() {
-#if defined(KVPOLICY_WITH_CUDA)
-  if (cuda::device_count() > 0) return true;
-  WARN("CUDA half skipped: no GPU (cudaGetDeviceCount found none)");
-#else
-  WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
-#endif
-  return false;
-}
+using kvtest::gpu_present;
 
 #if defined(KVPOLICY_WITH_CUDA)
 
-template <class T>
-cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  cuda::DeviceBuffer b(v.size() * sizeof(T));
-  cuda::copy_to_device(b.data(), v.data(), b.bytes());
-  return b;
-}
-
-template <class T>
-std::vector<T> download(const cuda::DeviceBuffer& b, std::size_t n) {
-  std::vector<T> v(n);
-  cuda::copy_to_host(v.data(), b.data(), n * sizeof(T));
-  return v;
-}
+using kvtest::download;
+using kvtest::upload;
 
 // A device CSR selection with its storage.
 struct DeviceSelection {

@@ -1,0 +1,71 @@
+// Type-erased entry points of the CUDA scoring kernels (cuda/window_attention.cu): window
+// attention column sums, SnapKV and H2O scores from queries. Plain structs in, a Status out,
+// nothing thrown; free of Eigen and CUDA headers. Typed, throwing wrappers:
+// cuda/window_attention.hpp. All work is enqueued on cuda_backend::stream.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/cuda/score_math.hpp"
+#include "kvpolicy/cuda/status.hpp"
+
+namespace kvpolicy::cuda {
+
+enum class ElemType : std::uint8_t { f32, f16, bf16 };
+
+// A read-only KVView<T> in device memory with its element type erased ([layer][head][token][dim],
+// strides in elements, any non-negative strides).
+struct TensorView {
+  const void* data = nullptr;
+  ElemType type = ElemType::f32;
+  std::int64_t layers = 0, heads = 0, tokens = 0, dim = 0;
+  std::int64_t stride_layer = 0, stride_head = 0, stride_token = 0, stride_dim = 1;
+};
+
+// fp32 scores [layers][heads][tokens] written by an op; row r = l * heads + h starts at
+// data + r * row_stride (row_stride >= tokens).
+struct MutableScoreView {
+  float* data = nullptr;
+  std::int64_t layers = 0, heads = 0, tokens = 0, row_stride = 0;
+};
+
+struct SnapKVParams {
+  std::int64_t window = 64;
+  int kernel = 5;
+  scoring::PoolKind pool = scoring::PoolKind::avg;
+  scoring::Reduce reduce = scoring::Reduce::mean;
+};
+
+// Workspace (bytes, 256-byte aligned parts) for window attention of the last `nq` of the
+// queries over `keys`: the per-row (max, sum) statistics, per key split and merged.
+Status window_attention_workspace_bytes(const TensorView& keys, const TensorView& queries,
+                                        std::int64_t nq, std::size_t& bytes);
+
+// out[l][h][j] = reduce over the group of h of sum_{i < nq} softmax_j(q_i . k_j / sqrt(d)), the
+// queries being the last nq of `queries` (query i at position T - nq + i, causal). Same values
+// as cpu::window_attention; deterministic (no atomics, fixed reduction orders).
+Status window_attention(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+                        scoring::Reduce reduce, std::int64_t nq, const MutableScoreView& out);
+
+// SnapKV::score from queries: window attention of the last w = min(window, T) queries, pooled
+// over the T - w tokens before the window; window tokens score FLT_MAX.
+Status snapkv_workspace_bytes(const TensorView& keys, const TensorView& queries,
+                              const SnapKVParams& p, std::size_t& bytes);
+Status snapkv_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+                    const SnapKVParams& p, const MutableScoreView& out);
+
+// H2O::score from queries (no given accumulators): column sums of all given queries' attention,
+// divided by the number of queries that saw each key when `normalize`.
+Status h2o_workspace_bytes(const TensorView& keys, const TensorView& queries, std::size_t& bytes);
+Status h2o_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+                 scoring::Reduce reduce, bool normalize, const MutableScoreView& out);
+
+// H2O::score from given state (a Session's accumulators, device memory, rows of `state_stride`
+// floats): the accumulators, or divided by the observed-query counts when normalize (then
+// `observed` must be given). No workspace.
+Status h2o_score_from_state(const cuda_backend& be, const float* accumulated,
+                            const float* observed, std::int64_t state_stride, bool normalize,
+                            const MutableScoreView& out);
+
+}  // namespace kvpolicy::cuda
