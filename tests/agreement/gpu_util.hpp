@@ -27,15 +27,16 @@ inline bool gpu_present() {
 
 template <class T>
 kvpolicy::cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  kvpolicy::cuda::DeviceBuffer b(v.size() * sizeof(T));
-  kvpolicy::cuda::copy_to_device(b.data(), v.data(), b.bytes());
+  // At least one element, so an empty input still yields a valid (non-null) device pointer.
+  kvpolicy::cuda::DeviceBuffer b((v.empty() ? 1 : v.size()) * sizeof(T));
+  if (!v.empty()) kvpolicy::cuda::copy_to_device(b.data(), v.data(), v.size() * sizeof(T));
   return b;
 }
 
 template <class T>
 std::vector<T> download(const kvpolicy::cuda::DeviceBuffer& b, std::size_t n) {
   std::vector<T> v(n);
-  kvpolicy::cuda::copy_to_host(v.data(), b.data(), n * sizeof(T));
+  if (n) kvpolicy::cuda::copy_to_host(v.data(), b.data(), n * sizeof(T));
   return v;
 }
 

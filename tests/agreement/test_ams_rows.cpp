@@ -17,6 +17,8 @@
 #include <kvpolicy/cuda/runtime.hpp>
 #endif
 
+#include "agreement/gpu_util.hpp"
+
 using namespace kvpolicy;
 
 namespace {
@@ -131,16 +133,7 @@ TEST_CASE("AMS row logic (emulated kernel) equals ams::segments and ams::quotas 
   CHECK(rejected > 0);  // budgets above the row were rejected by both
 }
 
-#if defined(KVPOLICY_WITH_CUDA)
-namespace {
-// TODO: share via tests/agreement/gpu_util.hpp
-bool gpu_present() {
-  if (cuda::device_count() > 0) return true;
-  WARN("CUDA half skipped: no GPU (cudaGetDeviceCount found none)");
-  return false;
-}
-}  // namespace
-#endif
+using kvtest::gpu_present;
 
 TEST_CASE("cuda::ams_segment_quotas equals ams::segments and ams::quotas", "[agreement][gpu]") {
 #if !defined(KVPOLICY_WITH_CUDA)

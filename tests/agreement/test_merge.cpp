@@ -21,6 +21,7 @@
 #include <kvpolicy/cuda/runtime.hpp>
 #endif
 
+#include "agreement/gpu_util.hpp"
 #include "mergers/merge_util.hpp"
 
 using namespace kvpolicy;
@@ -379,24 +380,9 @@ TEST_CASE("merge agreement: identical tokens form one core per group at tau 1", 
 
 #if defined(KVPOLICY_WITH_CUDA)
 namespace {
-// TODO: share via tests/agreement/gpu_util.hpp
-bool gpu_present() {
-  if (cuda::device_count() > 0) return true;
-  WARN("CUDA half skipped: no GPU (cudaGetDeviceCount found none)");
-  return false;
-}
-template <class T>
-cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  cuda::DeviceBuffer b(std::max<std::size_t>(1, v.size()) * sizeof(T));
-  if (!v.empty()) cuda::copy_to_device(b.data(), v.data(), v.size() * sizeof(T));
-  return b;
-}
-template <class T>
-std::vector<T> download(const cuda::DeviceBuffer& b, std::size_t n) {
-  std::vector<T> v(n);
-  if (n) cuda::copy_to_host(v.data(), b.data(), n * sizeof(T));
-  return v;
-}
+using kvtest::download;
+using kvtest::gpu_present;
+using kvtest::upload;
 
 template <class E>
 void device_agrees(int n_cases) {

@@ -20,6 +20,8 @@
 #include <kvpolicy/cuda/runtime.hpp>
 #endif
 
+#include "agreement/gpu_util.hpp"
+
 using namespace kvpolicy;
 
 namespace {
@@ -388,33 +390,11 @@ TEST_CASE("paged bookkeeping and shared conflicts equal kvpolicy::paged_compact'
 
 namespace {
 
-// TODO: share via tests/agreement/gpu_util.hpp
-bool gpu_present() {
-#if defined(KVPOLICY_WITH_CUDA)
-  if (cuda::device_count() > 0) return true;
-  WARN("CUDA half skipped: no GPU (cudaGetDeviceCount found none)");
-#else
-  WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
-#endif
-  return false;
-}
+using kvtest::gpu_present;
 
 #if defined(KVPOLICY_WITH_CUDA)
-// TODO: share via tests/agreement/gpu_util.hpp
-template <class T>
-cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  cuda::DeviceBuffer b(std::max<std::size_t>(v.size(), 1) * sizeof(T));
-  if (!v.empty()) cuda::copy_to_device(b.data(), v.data(), v.size() * sizeof(T));
-  return b;
-}
-
-// TODO: share via tests/agreement/gpu_util.hpp
-template <class T>
-std::vector<T> download(const cuda::DeviceBuffer& b, std::size_t n) {
-  std::vector<T> v(n);
-  if (n) cuda::copy_to_host(v.data(), b.data(), n * sizeof(T));
-  return v;
-}
+using kvtest::download;
+using kvtest::upload;
 
 template <class T>
 void check_device_compact(std::uint32_t seed, const Shape& sh, Layout lay, Keep keep) {
