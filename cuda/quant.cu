@@ -27,8 +27,8 @@ encode_tiles(const T* __restrict__ src, std::int64_t tokens, std::int64_t tiles,
              bool rotate, bool token_norm, std::size_t row_bytes, std::size_t tile_bytes,
              unsigned char* __restrict__ packed) {
   constexpr int G = Blk::group, E = D / 32;
-  extern __shared__ float sm[];  // [G][D] rows, then [G] norms
-  float* norms = sm + G * D;
+  extern __shared__ float sm[];  // the tile (tile_index layout), then [G] norms
+  float* norms = sm + q::dev::tile_floats(D, G);
   const std::int64_t row = blockIdx.x / tiles, tile = blockIdx.x % tiles, t0 = tile * G;
   const int n = static_cast<int>(tokens - t0 < G ? tokens - t0 : G);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -49,15 +49,16 @@ encode_tiles(const T* __restrict__ src, std::int64_t tokens, std::int64_t tiles,
       for (int e = 0; e < E; ++e) v[e] = __fmul_rn(v[e], s);
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) sm[t * D + e * 32 + lane] = v[e];
+    for (int e = 0; e < E; ++e) sm[q::dev::tile_index(keys, t, e * 32 + lane, D, G)] = v[e];
   }
   __syncthreads();
   unsigned char* out = packed + row * row_bytes + tile * tile_bytes;
   if (keys) {
     if (token_norm) {
-      for (int t = threadIdx.x; t < G; t += kThreads) norms[t] = t < n ? q::dev::key_norm(sm + t * D, D) : 0.0f;
+      constexpr int S = D + 1;  // key_stride
+      for (int t = threadIdx.x; t < G; t += kThreads) norms[t] = t < n ? q::dev::key_norm(sm + t * S, D) : 0.0f;
       __syncthreads();
-      for (int i = threadIdx.x; i < n * D; i += kThreads) sm[i] = q::dev::normalize_key(sm[i], norms[i / D]);
+      for (int i = threadIdx.x; i < n * S; i += kThreads) sm[i] = q::dev::normalize_key(sm[i], norms[i / S]);
       __syncthreads();
       float* nr = reinterpret_cast<float*>(out + D * sizeof(Blk));
       for (int t = threadIdx.x; t < G; t += kThreads) nr[t] = norms[t];
@@ -136,7 +137,7 @@ Status quant_encode(const cuda_backend& be, const QuantFormat& f, bool keys, con
     if (rows * tiles > 0x7fffffff) return detail::invalid("quant_encode: too many tiles");
     const std::size_t row_bytes = quant_row_bytes(f, keys, tokens, dim);
     const std::size_t tile_bytes = quant_row_bytes(f, keys, G, dim);
-    const std::size_t smem = static_cast<std::size_t>(G * D + G) * sizeof(float);
+    const std::size_t smem = static_cast<std::size_t>(q::dev::tile_floats(D, G) + G) * sizeof(float);
     auto launch = [&](auto kernel, const auto* s) -> Status {
       KVP_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       kernel<<<static_cast<unsigned>(rows * tiles), kThreads, smem, detail::stream_of(be.stream)>>>(

@@ -58,15 +58,18 @@ template <class Blk>
 void emulate_encode_tile(const cuda::QuantFormat& f, bool keys, const float* x, int n, int d,
                          std::byte* out) {
   constexpr int G = Blk::group;
-  std::vector<float> sm(static_cast<std::size_t>(G * d), std::nanf("")), norms(G);  // NaN: unwritten rows must stay unread
+  // NaN: unwritten rows and pads must stay unread (a NaN reaching a block would show in its bytes)
+  std::vector<float> sm(static_cast<std::size_t>(q::dev::tile_floats(d, G)), std::nanf("")), norms(G), row(d);
   for (int t = 0; t < n; ++t) {
-    if (f.rotate) emulate_fwht(d, x + t * d, sm.data() + t * d);
-    else std::memcpy(sm.data() + t * d, x + t * d, sizeof(float) * static_cast<std::size_t>(d));
+    if (f.rotate) emulate_fwht(d, x + t * d, row.data());
+    else std::memcpy(row.data(), x + t * d, sizeof(float) * static_cast<std::size_t>(d));
+    for (int i = 0; i < d; ++i) sm[q::dev::tile_index(keys, t, i, d, G)] = row[i];
   }
   if (keys) {
     if (f.token_norm) {
-      for (int t = 0; t < G; ++t) norms[t] = t < n ? q::dev::key_norm(sm.data() + t * d, d) : 0.0f;
-      for (int i = 0; i < n * d; ++i) sm[i] = q::dev::normalize_key(sm[i], norms[i / d]);
+      const int S = q::dev::key_stride(d);
+      for (int t = 0; t < G; ++t) norms[t] = t < n ? q::dev::key_norm(sm.data() + t * S, d) : 0.0f;
+      for (int i = 0; i < n * S; ++i) sm[i] = q::dev::normalize_key(sm[i], norms[i / S]);
       std::memcpy(out + d * sizeof(Blk), norms.data(), sizeof(float) * G);
     }
     for (int c = 0; c < d; ++c) {

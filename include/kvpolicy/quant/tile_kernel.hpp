@@ -43,7 +43,7 @@ KVP_HD inline void fwht_thread_stages(float* v) {
 // The orthonormal scale of hadamard_unchecked.
 KVP_HD inline float fwht_scale(int d) { return 1.0f / sqrtf(static_cast<float>(d)); }
 
-// ||row|| as row_norms computes it.
+// ||row|| as row_norms computes it (d contiguous values).
 KVP_HD inline float key_norm(const float* row, int d) {
   double s = 0.0;
   for (int i = 0; i < d; ++i) s += static_cast<double>(row[i]) * static_cast<double>(row[i]);
@@ -53,19 +53,34 @@ KVP_HD inline float key_norm(const float* row, int d) {
 // Element i of a row divided by its token norm (prepare_keys: unchanged for a zero norm).
 KVP_HD inline float normalize_key(float x, float norm) { return norm > 0.0f ? x / norm : x; }
 
-// Key tile, thread `c`: channel c's block of the n <= G stored-form rows tile [n][d].
+// Where element i of token t sits in the shared-memory tile (padded against bank conflicts:
+// the kernels' threads walk it 32 at a time). Keys: rows of d + 1 floats, so the norm threads
+// (one per row) and the channel threads (one per column) both hit 32 different banks. Values:
+// one pad float after every group of G values, so the group threads (one per group, each
+// reading its group contiguously) start G + 1 floats apart.
+KVP_HD inline int key_stride(int d) { return d + 1; }
+KVP_HD inline int tile_index(bool keys, int t, int i, int d, int group) {
+  if (keys) return t * key_stride(d) + i;
+  const int j = t * d + i;
+  return j + j / group;
+}
+// Floats of the staged tile, either part: keys group * (d + 1), values group * d + d (d pads).
+KVP_HD inline int tile_floats(int d, int group) { return group * key_stride(d) + d; }
+
+// Key tile, thread `c`: channel c's block of the n <= G stored-form rows of tile (rows
+// key_stride(d) apart).
 template <class Blk>
 KVP_HD inline void encode_key_channel(const float* tile, int n, int d, int c, Blk& out) {
-  quantize_block<Blk::bits, Blk::group>(tile + c, d, n, out);
+  quantize_block<Blk::bits, Blk::group>(tile + c, key_stride(d), n, out);
 }
 
 // Value tile, thread `i` (< G * d / G): block i = (token i / (d / G), channel group i % (d / G));
-// zero past the n valid tokens (encode_value_tile).
+// zero past the n valid tokens (encode_value_tile). Group i starts at tile_index(false, ...).
 template <class Blk>
 KVP_HD inline void encode_value_block(const float* tile, int n, int d, int i, Blk& out) {
   const int per_row = d / Blk::group;
   if (i / per_row < n) {
-    quantize_group<Blk::bits, Blk::group>(tile + static_cast<std::int64_t>(i) * Blk::group, out);
+    quantize_group<Blk::bits, Blk::group>(tile + static_cast<std::int64_t>(i) * (Blk::group + 1), out);
   } else {
     out.scale = 0.0f;
     out.zero = 0.0f;
