@@ -330,3 +330,62 @@ TEST_CASE("quant cuda: device encode / decode give the CPU quantizer's bytes", "
     }
 #endif
 }
+
+// ---- Split-KV merge (the per-split online-softmax merge a split-KV decode kernel runs) --------
+
+#include <kvpolicy/quant/split_merge.hpp>
+
+TEST_CASE("quant cuda: split-KV online-softmax merge equals one softmax pass", "[agreement]") {
+  // Logits (q.k plus a log_count bias) and values of one query row; the splits are merged in
+  // order and in reverse. Reference: softmax in double. Criterion: max |out - ref| <= 6e-5
+  // (|out| is a convex combination of |v| values, normal samples; fp32 exp and accumulation
+  // over <= 300 terms round at ~1e-7 relative, so 6e-5 absolute leaves a wide margin).
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::uniform_int_distribution<int> cnt(1, 50);
+  const int d = 64;
+  double worst = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + trial % 300;
+    std::vector<float> l(n), v(static_cast<std::size_t>(n * d));
+    for (int t = 0; t < n; ++t) l[t] = 4.0f * g(rng) + std::log(static_cast<float>(cnt(rng)));
+    if (trial % 7 == 0) for (int t = 0; t < n / 2; ++t) l[t] = -INFINITY;  // masked prefix: an empty split
+    for (float& x : v) x = g(rng);
+    // Reference.
+    double mx = -INFINITY;
+    for (float x : l) mx = std::max(mx, static_cast<double>(x));
+    std::vector<double> ref(d, 0.0);
+    double s = 0;
+    for (int t = 0; t < n; ++t) {
+      if (l[t] == -INFINITY) continue;
+      const double e = std::exp(static_cast<double>(l[t]) - mx);
+      s += e;
+      for (int i = 0; i < d; ++i) ref[i] += e * v[t * d + i];
+    }
+    for (double& x : ref) x /= s;
+    // Splits of a random size each.
+    const int splits = 1 + trial % 9;
+    std::vector<q::dev::SoftmaxPart> parts(splits);
+    std::vector<float> acc(static_cast<std::size_t>(splits * d), 0.0f);
+    for (int t = 0; t < n; ++t) {
+      const int sp = static_cast<int>(static_cast<long long>(t) * splits / n);
+      q::dev::softmax_add(parts[sp], acc.data() + sp * d, l[t], v.data() + t * d, d);
+    }
+    for (int order = 0; order < 2; ++order) {
+      q::dev::SoftmaxPart m;
+      std::vector<float> macc(d, 0.0f), out(d);
+      for (int k = 0; k < splits; ++k) {
+        const int sp = order == 0 ? k : splits - 1 - k;
+        q::dev::softmax_merge(m, macc.data(), parts[sp], acc.data() + sp * d, d);
+      }
+      q::dev::softmax_finish(m, macc.data(), out.data(), d);
+      for (int i = 0; i < d; ++i) {
+        const double err = std::abs(out[i] - ref[i]);
+        worst = std::max(worst, err);
+        REQUIRE(err <= 6e-5);
+      }
+    }
+  }
+  WARN("split-KV merge: worst |out - ref| = " << worst);
+  CHECK(worst > 0.0);  // fp32 is not exact: the comparison really ran
+}
