@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <kvpolicy/allocators/adakv.hpp>
+#include <kvpolicy/allocators/pyramid.hpp>
 #include <kvpolicy/cpu/select.hpp>
 #include <kvpolicy/cuda/baseline_math.hpp>
 #include <kvpolicy/scorers/keydiff.hpp>
@@ -27,6 +28,7 @@
 #endif
 
 #include "agreement/gpu_util.hpp"
+#include "common/error_of.hpp"
 #include "common/random.hpp"
 
 using namespace kvpolicy;
@@ -421,6 +423,68 @@ TEST_CASE("emulated CUDA Ada-KV budgets equal AdaKV::allocate exactly", "[agreem
   CHECK(redistributed > 500);  // the cases really move budget between heads
 }
 
+#if defined(KVPOLICY_WITH_CUDA)
+// Argument checks run before any CUDA call, so these run without a GPU too.
+TEST_CASE("CUDA baseline wrappers and entry points reject bad arguments", "[agreement]") {
+  using kvtest::error_of;
+  std::vector<float> k(2 * 3 * 5 * 4, 1.f);
+  Inputs<float> in;
+  in.keys = KVView<const float>::hnd(k.data(), 2, 3, 5, 4);
+  std::vector<float> o(2 * 3 * 5);
+  const cuda_backend be{};
+  const cuda::MutableScoreView bad{o.data(), 2, 3, 4, 5};  // 4 tokens, keys have 5
+  CHECK(error_of([&] { cuda::score(be, KNorm{}, in, bad); }).find("output score view") !=
+        std::string::npos);
+  CHECK(error_of([&] { cuda::score(be, KeyDiff{}, in, bad); }).find("output score view") !=
+        std::string::npos);
+  CHECK(error_of([&] { cuda::score(be, Streaming{}, in, bad); }).find("output score view") !=
+        std::string::npos);
+  CHECK(error_of([&] { cuda::score(be, TOVA{}, in, cuda::MutableScoreView{o.data(), 2, 3, 5, 5}); })
+            .find("needs the last query") != std::string::npos);
+  const cuda_backend no_ws{nullptr, nullptr, 64};
+  CHECK(error_of([&] { cuda::score(no_ws, KNorm{}, in, cuda::MutableScoreView{o.data(), 2, 3, 5, 5}); })
+            .find("workspace pointer is null") != std::string::npos);
+
+  const cuda::ScoreView sv{o.data(), 2, 3, 5, 5};
+  std::int64_t out[6];
+  const std::vector<std::int64_t> low{1, 5, 5, 5, 5, 5}, high{3, 5, 6, 5, 5, 5}, ok(6, 5);
+  CHECK(error_of([&] { cuda::allocate(be, AdaKV{}, sv, low, Protect{1, 1}, out); })
+            .find("outside [2, 5]") != std::string::npos);
+  CHECK(error_of([&] { cuda::allocate(be, AdaKV{}, sv, high, Protect{1, 1}, out); })
+            .find("outside [2, 5]") != std::string::npos);
+  CHECK(error_of([&] { cuda::allocate(be, AdaKV{1.5}, sv, ok, Protect{1, 1}, out); })
+            .find("alpha") != std::string::npos);
+  CHECK(error_of([&] {
+          cuda::allocate(be, AdaKV{}, sv, std::span<const std::int64_t>(ok).first(5),
+                         Protect{1, 1}, out);
+        }).find("5 budgets for 6") != std::string::npos);
+  CHECK(error_of([&] { cuda::allocate(be, AdaKV{}, sv, ok, Protect{1, 1}, nullptr); })
+            .find("null output budgets") != std::string::npos);
+  CHECK(error_of([&] {
+          cuda::allocate(be, AdaKV{}, cuda::ScoreView{o.data(), 1, 1025, 1, 1}, ok, Protect{},
+                         out);
+        }).find("exceed") != std::string::npos);
+
+  // Type-erased entry points: a Status, never a throw.
+  const cuda::TensorView tv = cuda::tensor_view(in.keys);
+  cuda::TensorView null_keys = tv;
+  null_keys.data = nullptr;
+  CHECK(cuda::knorm_score(be, null_keys, cuda::MutableScoreView{o.data(), 2, 3, 5, 5}).code ==
+        cuda::StatusCode::invalid_argument);
+  CHECK(cuda::knorm_score(be, tv, bad).code == cuda::StatusCode::invalid_argument);
+  CHECK(cuda::keydiff_score(be, tv, bad).code == cuda::StatusCode::invalid_argument);
+  std::size_t bytes = 1;
+  CHECK(cuda::adakv_workspace_bytes(1, 1025, 8, 0, 0, bytes).code ==
+        cuda::StatusCode::invalid_argument);
+  CHECK(bytes == 0);
+  CHECK(cuda::adakv_budgets(be, sv, ok.data(), cuda::BudgetsAt::host, 1, 1, -0.1, out).code ==
+        cuda::StatusCode::invalid_argument);
+  CHECK(cuda::streaming_score(be, cuda::MutableScoreView{nullptr, 0, 3, 5, 5}).ok());  // empty
+  CHECK(cuda::streaming_score(be, cuda::MutableScoreView{nullptr, 1, 3, 5, 5}).code ==
+        cuda::StatusCode::invalid_argument);
+}
+#endif
+
 // ---- CUDA half ------------------------------------------------------------------------------
 
 TEMPLATE_TEST_CASE("CUDA KNorm, KeyDiff, TOVA and StreamingLLM equal the CPU scorers",
@@ -480,6 +544,48 @@ TEST_CASE("CUDA Ada-KV budgets equal AdaKV::allocate and select keeps the same t
     const cuda::HostCsr want_csr = cuda::to_csr(cpu_sel);
     REQUIRE(o == want_csr.offsets);
     REQUIRE(x == want_csr.indices);
+  }
+#endif
+}
+
+TEST_CASE("CUDA pyramid | adakv on the device equals the CPU chain", "[agreement][gpu]") {
+  if (!kvtest::gpu_present()) return;
+#if defined(KVPOLICY_WITH_CUDA)
+  kvtest::Rng rng(91);
+  for (int it = 0; it < 50; ++it) {
+    AdaCase c = random_ada_case(rng);
+    c.L = std::max<std::int64_t>(c.L, 2);
+    c.scores = ScoreMap(c.L, c.H, c.T);
+    for (std::int64_t i = 0; i < c.L * c.H * c.T; ++i)
+      c.scores.data()[i] = static_cast<float>(rng.integer(0, 3));
+    const std::int64_t P = c.protect.total(c.T);
+    const std::int64_t b = rng.integer(P, c.T);
+    c.budgets.assign(static_cast<std::size_t>(c.L * c.H), b);
+    INFO("case " << it << " L=" << c.L << " H=" << c.H << " T=" << c.T << " b=" << b);
+    // CPU chain: pyramid, then adakv.
+    ScoreMap s = c.scores;
+    AllocContext ctx;
+    ctx.scores = &s;
+    ctx.tokens = c.T;
+    ctx.protect = c.protect;
+    ctx.model_layers = c.L;
+    std::vector<std::int64_t> want = c.budgets;
+    Pyramid{}.allocate(ctx, want);
+    AdaKV{c.alpha}.allocate(ctx, want);
+    // Device chain.
+    auto sbuf = upload(std::vector<float>(c.scores.data(), c.scores.data() + c.L * c.H * c.T));
+    const cuda::ScoreView sv{sbuf.as<const float>(), c.L, c.H, c.T, c.T};
+    cuda::DeviceBuffer ws(std::max<std::size_t>(
+        cuda::allocate_workspace_bytes(AdaKV{c.alpha}, sv, c.protect), 1));
+    const cuda_backend be{nullptr, ws.data(), ws.bytes()};
+    cuda::DeviceBuffer dbud(want.size() * sizeof(std::int64_t));
+    std::vector<std::int64_t> host = c.budgets;
+    cuda::allocate(be, Pyramid{}, c.L, c.H, c.T, c.protect, 0, c.L, host,
+                   dbud.as<std::int64_t>());
+    cuda::allocate(be, AdaKV{c.alpha}, sv, dbud.as<const std::int64_t>(), c.protect,
+                   dbud.as<std::int64_t>());
+    cuda::synchronize();
+    REQUIRE(download<std::int64_t>(dbud, want.size()) == want);
   }
 #endif
 }

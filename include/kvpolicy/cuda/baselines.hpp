@@ -165,4 +165,27 @@ inline void allocate(const cuda_backend& be, const AdaKV& a, const ScoreView& sc
                  "cuda::allocate(adakv)");
 }
 
+// ---- PyramidKV ------------------------------------------------------------------------------
+
+// Pyramid::allocate's budgets are host arithmetic of the shapes (the scores are never read), so
+// there is no kernel: this thin wrapper runs the CPU allocator on `budgets` (host, [L * H],
+// updated in place) and copies the result to `device_out` on the backend's stream (blocking
+// until the copy is done), so a device chain `pyramid | adakv` can continue there.
+inline void allocate(const cuda_backend& be, const Pyramid& a, std::int64_t layers,
+                     std::int64_t heads, std::int64_t tokens, Protect p,
+                     std::int64_t first_layer, std::int64_t model_layers,
+                     std::span<std::int64_t> budgets, std::int64_t* device_out) {
+  KVP_REQUIRE(layers >= 0 && heads >= 0 && tokens >= 0, "pyramid: negative shape");
+  KVP_REQUIRE(layers * heads == 0 || device_out, "pyramid: null output budgets pointer");
+  ScoreMap shape(layers, heads, 0);  // the allocator reads the shape only
+  AllocContext ctx;
+  ctx.scores = &shape;
+  ctx.tokens = tokens;
+  ctx.protect = p;
+  ctx.first_layer = first_layer;
+  ctx.model_layers = model_layers;
+  a.allocate(ctx, budgets);
+  copy_to_device(device_out, budgets.data(), budgets.size() * sizeof(std::int64_t), be.stream);
+}
+
 }  // namespace kvpolicy::cuda
