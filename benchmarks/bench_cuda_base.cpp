@@ -18,6 +18,8 @@
 #include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/select.hpp"
 
+#include "cuda_bench_util.hpp"
+
 namespace {
 
 using namespace kvpolicy;
@@ -25,44 +27,10 @@ using namespace kvpolicy;
 constexpr std::int64_t kT = 32768, kHkv = 8, kD = 128;
 constexpr double kKeep = 0.2;
 
-bool skip_without_gpu(benchmark::State& state) {
-  if (cuda::device_count() > 0) return false;
-  state.SkipWithError("no GPU");
-  return true;
-}
-
-template <class T>
-std::vector<T> random_values(std::size_t n, std::uint64_t seed, float a) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-a, a);
-  std::vector<T> v(n);
-  for (auto& x : v) x = static_cast<T>(u(rng));
-  return v;
-}
-
-template <class T>
-cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  cuda::DeviceBuffer b(v.size() * sizeof(T));
-  cuda::copy_to_device(b.data(), v.data(), b.bytes());
-  return b;
-}
-
-struct Events {
-  cudaEvent_t e[4];
-  Events() {
-    for (auto& x : e) cudaEventCreate(&x);
-  }
-  ~Events() {
-    for (auto& x : e) cudaEventDestroy(x);
-  }
-  Events(const Events&) = delete;
-  Events& operator=(const Events&) = delete;
-  double ms(int a, int b) const {
-    float t = 0;
-    cudaEventElapsedTime(&t, e[a], e[b]);
-    return t;
-  }
-};
+using kvbench::Events;
+using kvbench::random_values;
+using kvbench::skip_without_gpu;
+using kvbench::upload;
 
 template <class Scorer>
 void key_scorer_layer(benchmark::State& state, const Scorer& scorer) {
@@ -78,7 +46,7 @@ void key_scorer_layer(benchmark::State& state, const Scorer& scorer) {
   cuda::DeviceBuffer copy(n * sizeof(half));
   cuda::score(be, scorer, in, out);  // warm-up
   cuda::synchronize();
-  Events ev;
+  Events ev(4);
   double t_score = 0, t_copy = 0;
   for (auto _ : state) {
     cudaEventRecord(ev.e[0]);
@@ -118,7 +86,7 @@ void BM_cuda_adakv_layer(benchmark::State& state) {
   cuda::CsrSelection sel{1, kHkv, offsets.as<std::int64_t>(), indices.as<std::int32_t>(), cap};
   cuda::allocate(be, ada, sv, budgets, protect, dbud.as<std::int64_t>());  // warm-up
   cuda::synchronize();
-  Events ev;
+  Events ev(4);
   double t_alloc = 0, t_select = 0;
   for (auto _ : state) {
     cudaEventRecord(ev.e[0]);

@@ -19,6 +19,8 @@
 #include "kvpolicy/cuda/select.hpp"
 #include "kvpolicy/cuda/window_attention.hpp"
 
+#include "cuda_bench_util.hpp"
+
 namespace {
 
 using namespace kvpolicy;
@@ -26,44 +28,10 @@ using namespace kvpolicy;
 constexpr std::int64_t kT = 32768, kHq = 32, kHkv = 8, kD = 128, kW = 32;
 constexpr double kKeep = 0.2;
 
-bool skip_without_gpu(benchmark::State& state) {
-  if (cuda::device_count() > 0) return false;
-  state.SkipWithError("no GPU");
-  return true;
-}
-
-template <class T>
-std::vector<T> random_values(std::size_t n, std::uint64_t seed, float a) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-a, a);
-  std::vector<T> v(n);
-  for (auto& x : v) x = static_cast<T>(u(rng));
-  return v;
-}
-
-template <class T>
-cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  cuda::DeviceBuffer b(v.size() * sizeof(T));
-  cuda::copy_to_device(b.data(), v.data(), b.bytes());
-  return b;
-}
-
-struct Events {
-  std::vector<cudaEvent_t> e;
-  explicit Events(int n) : e(static_cast<std::size_t>(n)) {
-    for (auto& x : e) cudaEventCreate(&x);
-  }
-  ~Events() {
-    for (auto& x : e) cudaEventDestroy(x);
-  }
-  Events(const Events&) = delete;
-  Events& operator=(const Events&) = delete;
-  double ms(int a, int b) const {
-    float t = 0;
-    cudaEventElapsedTime(&t, e[static_cast<std::size_t>(a)], e[static_cast<std::size_t>(b)]);
-    return t;
-  }
-};
+using kvbench::Events;
+using kvbench::random_values;
+using kvbench::skip_without_gpu;
+using kvbench::upload;
 
 // One layer of fp16 K/V (HND), pristine copies to undo each compaction, the last W queries.
 struct Layer {
