@@ -22,6 +22,7 @@
 #endif
 
 #include "agreement/gpu_util.hpp"
+#include "agreement/storage.hpp"
 #include "common/random.hpp"
 
 using namespace kvpolicy;
@@ -31,20 +32,9 @@ namespace {
 
 // ---- cases ------------------------------------------------------------------------------------
 
-// Layout::HND / NHD, plus a transposed-K layout [L][H][d][T] (head_dim stride != 1).
-enum class Storage { hnd, nhd, hdn };
-
-const char* storage_name(Storage s) {
-  return s == Storage::hnd ? "HND" : s == Storage::nhd ? "NHD" : "HDN";
-}
-
-template <class T>
-KVView<T> make_view(Storage s, T* p, std::int64_t L, std::int64_t H, std::int64_t N,
-                    std::int64_t D) {
-  if (s == Storage::hnd) return KVView<T>::hnd(p, L, H, N, D);
-  if (s == Storage::nhd) return KVView<T>::nhd(p, L, H, N, D);
-  return {p, L, H, N, D, H * D * N, D * N, 1, N};
-}
+using kvtest::make_view;
+using kvtest::Storage;
+using kvtest::storage_name;
 
 enum class BudgetKind { below, equal, above, mixed };
 

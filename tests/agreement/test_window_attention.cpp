@@ -23,6 +23,7 @@
 #endif
 
 #include "agreement/gpu_util.hpp"
+#include "agreement/storage.hpp"
 #include "common/random.hpp"
 
 using namespace kvpolicy;
@@ -32,19 +33,9 @@ namespace {
 
 // ---- cases ----------------------------------------------------------------------------------
 
-enum class Storage { hnd, nhd, hdn };  // hdn: [L][H][d][T], head_dim stride != 1
-
-const char* storage_name(Storage s) {
-  return s == Storage::hnd ? "HND" : s == Storage::nhd ? "NHD" : "HDN";
-}
-
-template <class T>
-KVView<T> make_view(Storage s, T* p, std::int64_t L, std::int64_t H, std::int64_t N,
-                    std::int64_t D) {
-  if (s == Storage::hnd) return KVView<T>::hnd(p, L, H, N, D);
-  if (s == Storage::nhd) return KVView<T>::nhd(p, L, H, N, D);
-  return {p, L, H, N, D, H * D * N, D * N, 1, N};
-}
+using kvtest::make_view;
+using kvtest::Storage;
+using kvtest::storage_name;
 
 struct Case {
   std::int64_t L, Hkv, g, T, d, nq;
