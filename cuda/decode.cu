@@ -41,7 +41,7 @@ decode_partial(TensorView keys, TensorView values, TensorView queries, DecodeArg
   const std::int64_t h = blockIdx.x / splits, s = blockIdx.x % splits;
   const std::int64_t len = a.lengths[h], s0 = s * split;
   const std::int64_t s1 = s0 + split < len ? s0 + split : len;
-  const dm::BlockSmem sm = dm::carve(smem, R, D);
+  const dm::BlockSmem sm = dm::carve(smem, R, D, TK);
   for (int x = tid; x < R * D; x += D) {
     const int r = x / D, c = x % D;
     sm.qs[x] = at<Q>(queries, h * g + r / nq, r % nq, c) * scale;
@@ -68,7 +68,7 @@ decode_partial(TensorView keys, TensorView values, TensorView queries, DecodeArg
     __syncthreads();
     for (int r = tid; r < R; r += D) sm.tp[r] = dm::tile_part(sm.lg + r * TK, TK);
     __syncthreads();
-    dm::fold_channel(sm, R, D, n, tid);
+    dm::fold_channel(sm, R, D, TK, n, tid);
     __syncthreads();
     for (int r = tid; r < R; r += D) dm::fold_state(sm, r);
     __syncthreads();
@@ -118,7 +118,7 @@ Status launch(const cuda_backend& be, const TensorView& keys, const TensorView& 
   const dm::Workspace w =
       dm::carve_workspace(static_cast<float*>(be.workspace), rows, splits, D, stats_wanted(a));
   const std::size_t smem =
-      static_cast<std::size_t>(dm::smem_floats(static_cast<int>(g * nq), D)) * sizeof(float);
+      static_cast<std::size_t>(dm::smem_floats(static_cast<int>(g * nq), D, dm::key_tile(D))) * sizeof(float);
   int dev = 0, optin = 0;
   KVP_CUDA_TRY(cudaGetDevice(&dev));
   KVP_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

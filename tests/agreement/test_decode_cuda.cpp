@@ -148,11 +148,11 @@ Result emulate(const Case& c, const Data<T>& x) {
                         std::nanf(""));
   const dm::Workspace w = dm::carve_workspace(ws.data(), rows, splits, D, c.stats);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> smem(static_cast<std::size_t>(dm::smem_floats(R, D)), std::nanf(""));
+  std::vector<float> smem(static_cast<std::size_t>(dm::smem_floats(R, D, TK)), std::nanf(""));
   for (std::int64_t h = 0; h < c.Hkv; ++h)
     for (std::int64_t s = 0; s < splits; ++s) {
       const std::int64_t len = c.lengths[h], s0 = s * split, s1 = std::min(s0 + split, len);
-      const dm::BlockSmem sm = dm::carve(smem.data(), R, D);
+      const dm::BlockSmem sm = dm::carve(smem.data(), R, D, TK);
       for (int r = 0; r < R; ++r)
         for (int ch = 0; ch < D; ++ch)
           sm.qs[r * D + ch] = to_float(x.queries.at(0, h * g + r / nq, r % nq, ch)) * scale;
@@ -174,7 +174,7 @@ Result emulate(const Case& c, const Data<T>& x) {
             if (w.logits && j < n) w.logits[(row0 + r) * c.T + t0 + j] = l;
           }
         for (int r = 0; r < R; ++r) sm.tp[r] = dm::tile_part(sm.lg + r * TK, TK);
-        for (int ch = 0; ch < D; ++ch) dm::fold_channel(sm, R, D, n, ch);
+        for (int ch = 0; ch < D; ++ch) dm::fold_channel(sm, R, D, TK, n, ch);
         for (int r = 0; r < R; ++r) dm::fold_state(sm, r);
       }
       for (int r = 0; r < R; ++r) w.part_stat[(row0 + r) * splits + s] = sm.state[r];

@@ -23,6 +23,7 @@
 
 #include "kvpolicy/core/config.hpp"
 #include "kvpolicy/cuda/score_math.hpp"
+#include "kvpolicy/quant/hadamard.hpp"
 #include "kvpolicy/quant/split_merge.hpp"
 
 namespace kvpolicy::cuda::decode {
@@ -56,15 +57,15 @@ struct BlockSmem {
   float* acc;          // [R][D] running accumulators
   SoftmaxPart* state;  // [R] running (max, sum)
   SoftmaxPart* tp;     // [R] the current tile's part
+  float* norms;        // [TK] key norms of the tile (packed caches only)
 };
 
-KVP_HD inline std::int64_t smem_floats(int R, int D) {
-  const int TK = key_tile(D);
-  return 2LL * R * D + 2LL * TK * D + static_cast<std::int64_t>(R) * TK + 4LL * R;
+// TK: keys per tile (key_tile(D) for dense caches, the quant group for packed ones).
+KVP_HD inline std::int64_t smem_floats(int R, int D, int TK) {
+  return 2LL * R * D + 2LL * TK * D + static_cast<std::int64_t>(R) * TK + 4LL * R + TK;
 }
 
-KVP_HD inline BlockSmem carve(float* base, int R, int D) {
-  const int TK = key_tile(D);
+KVP_HD inline BlockSmem carve(float* base, int R, int D, int TK) {
   BlockSmem s;
   s.qs = base;
   s.kt = s.qs + R * D;
@@ -73,6 +74,7 @@ KVP_HD inline BlockSmem carve(float* base, int R, int D) {
   s.acc = s.lg + R * TK;
   s.state = reinterpret_cast<SoftmaxPart*>(s.acc + R * D);
   s.tp = s.state + R;
+  s.norms = reinterpret_cast<float*>(s.tp + R);
   return s;
 }
 
@@ -84,13 +86,15 @@ KVP_HD inline void phase_init(const BlockSmem& s, int R, int D, int tid, int nt)
 }
 
 // Logit of row r (query i = r % nq) and tile key j (absolute key t0 + j); -inf when masked (past
-// the tile's n keys or not visible to the query). The raw logit also goes to logits_row[t0 + j]
-// when logits_row is given (logits_row: the workspace row of this query row).
+// the tile's n keys or not visible to the query). norms: the tile's key norms (packed caches:
+// logit = (q . k~) n), nullptr for dense caches.
 KVP_HD inline float tile_logit(const BlockSmem& s, int D, int r, int j, int n, std::int64_t t0,
-                               std::int64_t visible, const float* bias) {
+                               std::int64_t visible, const float* bias,
+                               const float* norms = nullptr) {
   const std::int64_t key = t0 + j;
   if (j >= n || key >= visible) return -INFINITY;
   float l = scoring::dot(s.qs + r * D, s.kt + j * D, D);
+  if (norms) l *= norms[j];
   if (bias) l += bias[key];
   return l;
 }
@@ -113,8 +117,7 @@ KVP_HD inline SoftmaxPart tile_part(float* l, int TK) {
 
 // Thread of channel c folds the tile into acc[r, c] for every row (state[r] is still the state
 // before this tile).
-KVP_HD inline void fold_channel(const BlockSmem& s, int R, int D, int n, int c) {
-  const int TK = key_tile(D);
+KVP_HD inline void fold_channel(const BlockSmem& s, int R, int D, int TK, int n, int c) {
   for (int r = 0; r < R; ++r) {
     const float* e = s.lg + r * TK;
     float t = 0.0f;
@@ -128,6 +131,14 @@ KVP_HD inline void fold_channel(const BlockSmem& s, int R, int D, int n, int c) 
 KVP_HD inline void fold_state(const BlockSmem& s, int r) {
   quant::dev::softmax_merge(s.state[r], nullptr, s.tp[r], nullptr, 0);
 }
+
+// Pair i < D / 2 of one stage (half) of the in-place FWHT of a row in shared memory, and the
+// orthonormal scale applied after the last stage: hadamard_unchecked's arithmetic, one thread per
+// butterfly and one barrier per stage (the result does not depend on the stage order).
+KVP_HD inline void fwht_pair(float* row, int half, int i) {
+  quant::hadamard_stage_butterfly(row, half, i);
+}
+KVP_HD inline float fwht_norm(int D) { return 1.0f / sqrtf(static_cast<float>(D)); }
 
 // ---- workspace --------------------------------------------------------------------------------
 
