@@ -54,7 +54,7 @@ decode_partial(TensorView keys, TensorView values, TensorView queries, DecodeArg
     const int n = static_cast<int>(s1 - t0 < TK ? s1 - t0 : TK);
     for (int x = tid; x < n * D; x += D) {
       const int j = x / D, c = x % D;
-      sm.kt[x] = at<T>(keys, h, t0 + j, c);
+      sm.kt[j * dm::kt_stride(D) + c] = at<T>(keys, h, t0 + j, c);
       sm.vt[x] = at<T>(values, h, t0 + j, c);
     }
     __syncthreads();

@@ -66,7 +66,7 @@ packed_partial(PackedHeadsView c, TensorView queries, PackedDecodeArgs a, float 
       const Blk* vb = reinterpret_cast<const Blk*>(c.value_tiles + tile * c.value_tile_bytes);
       for (int ch = tid; ch < D; ch += D) {
         const Blk kblk = kb[ch], vblk = vb[ch];
-        q::dev::decode_key_channel(kblk, G, D, ch, sm.kt);
+        q::dev::decode_key_channel(kblk, G, dm::kt_stride(D), ch, sm.kt);  // d: the row stride
         q::dev::decode_value_block(vblk, ch, sm.vt);
       }
       const float* nr = reinterpret_cast<const float*>(kt + D * sizeof(Blk));
@@ -74,7 +74,7 @@ packed_partial(PackedHeadsView c, TensorView queries, PackedDecodeArgs a, float 
     } else {
       const std::int64_t r = res0 + (t0 - packed);
       for (int x = tid; x < n * D; x += D) {
-        sm.kt[x] = c.res_keys[r * D + x];
+        sm.kt[(x / D) * dm::kt_stride(D) + x % D] = c.res_keys[r * D + x];
         sm.vt[x] = c.res_values[r * D + x];
       }
       for (int t = tid; t < n; t += D) sm.norms[t] = c.res_norms[r + t];

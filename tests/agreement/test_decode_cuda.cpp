@@ -168,7 +168,7 @@ Result emulate(const Case& c, const Data<T>& x) {
         const int n = static_cast<int>(std::min<std::int64_t>(s1 - t0, TK));
         for (int j = 0; j < n; ++j)
           for (int ch = 0; ch < D; ++ch) {
-            sm.kt[j * D + ch] = to_float(x.keys.at(0, h, t0 + j, ch));
+            sm.kt[j * dm::kt_stride(D) + ch] = to_float(x.keys.at(0, h, t0 + j, ch));
             sm.vt[j * D + ch] = to_float(x.values.at(0, h, t0 + j, ch));
           }
         for (int r = 0; r < R; ++r)
@@ -451,7 +451,7 @@ std::vector<float> packed_emulate(const PCase& c, const PData& x, const cuda::Pa
           const auto* kb = reinterpret_cast<const Blk*>(kt);
           const auto* vb = reinterpret_cast<const Blk*>(v.value_tiles + tile * static_cast<std::int64_t>(v.value_tile_bytes));
           for (int ch = 0; ch < D; ++ch) {
-            quant::dev::decode_key_channel(kb[ch], G, D, ch, sm.kt);
+            quant::dev::decode_key_channel(kb[ch], G, dm::kt_stride(D), ch, sm.kt);
             quant::dev::decode_value_block(vb[ch], ch, sm.vt);
           }
           const auto* nr = reinterpret_cast<const float*>(kt + D * sizeof(Blk));
@@ -459,7 +459,7 @@ std::vector<float> packed_emulate(const PCase& c, const PData& x, const cuda::Pa
         } else {
           const std::int64_t r = res0 + (t0 - packed);
           for (int xx = 0; xx < n * D; ++xx) {
-            sm.kt[xx] = v.res_keys[r * D + xx];
+            sm.kt[(xx / D) * dm::kt_stride(D) + xx % D] = v.res_keys[r * D + xx];
             sm.vt[xx] = v.res_values[r * D + xx];
           }
           for (int t = 0; t < n; ++t) sm.norms[t] = v.res_norms[r + t];

@@ -30,6 +30,10 @@ namespace kvpolicy::cuda::decode {
 
 using quant::dev::SoftmaxPart;
 
+// Row stride of the staged key tile: one pad float, so the logit threads (consecutive keys,
+// reading down their rows) hit 32 different banks.
+KVP_HD constexpr int kt_stride(int D) { return D + 1; }
+
 // Keys of one shared-memory tile: K and V tiles take 2 * 4096 floats (32 KiB) for any head_dim.
 KVP_HD constexpr int key_tile(int D) { return 4096 / D; }
 
@@ -51,7 +55,7 @@ KVP_HD inline std::int64_t split_count(std::int64_t tokens, std::int64_t split) 
 
 struct BlockSmem {
   float* qs;           // [R][D] scaled queries
-  float* kt;           // [TK][D] key tile (fp32)
+  float* kt;           // [TK][kt_stride(D)] key tile (fp32)
   float* vt;           // [TK][D] value tile (fp32)
   float* lg;           // [R][TK] logits, then e_j of the tile
   float* acc;          // [R][D] running accumulators
@@ -62,14 +66,14 @@ struct BlockSmem {
 
 // TK: keys per tile (key_tile(D) for dense caches, the quant group for packed ones).
 KVP_HD inline std::int64_t smem_floats(int R, int D, int TK) {
-  return 2LL * R * D + 2LL * TK * D + static_cast<std::int64_t>(R) * TK + 4LL * R + TK;
+  return 2LL * R * D + 2LL * TK * D + TK + static_cast<std::int64_t>(R) * TK + 4LL * R + TK;
 }
 
 KVP_HD inline BlockSmem carve(float* base, int R, int D, int TK) {
   BlockSmem s;
   s.qs = base;
   s.kt = s.qs + R * D;
-  s.vt = s.kt + TK * D;
+  s.vt = s.kt + TK * kt_stride(D);
   s.lg = s.vt + TK * D;
   s.acc = s.lg + R * TK;
   s.state = reinterpret_cast<SoftmaxPart*>(s.acc + R * D);
@@ -93,7 +97,7 @@ KVP_HD inline float tile_logit(const BlockSmem& s, int D, int r, int j, int n, s
                                const float* norms = nullptr) {
   const std::int64_t key = t0 + j;
   if (j >= n || key >= visible) return -INFINITY;
-  float l = scoring::dot(s.qs + r * D, s.kt + j * D, D);
+  float l = scoring::dot(s.qs + r * D, s.kt + j * kt_stride(D), D);
   if (norms) l *= norms[j];
   if (bias) l += bias[key];
   return l;
