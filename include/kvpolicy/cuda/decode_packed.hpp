@@ -53,6 +53,7 @@ Status packed_decode_attention(const cuda_backend& be, const PackedHeadsView& ca
 }  // namespace kvpolicy::cuda
 
 #if !defined(__CUDACC__)
+#include <algorithm>
 #include <cstring>
 #include <span>
 #include <vector>
