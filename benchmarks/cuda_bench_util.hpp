@@ -32,8 +32,8 @@ std::vector<T> random_values(std::size_t n, std::uint64_t seed, float a) {
 
 template <class T>
 kvpolicy::cuda::DeviceBuffer upload(const std::vector<T>& v) {
-  kvpolicy::cuda::DeviceBuffer b(v.size() * sizeof(T));
-  kvpolicy::cuda::copy_to_device(b.data(), v.data(), b.bytes());
+  kvpolicy::cuda::DeviceBuffer b((v.empty() ? 1 : v.size()) * sizeof(T));  // never null
+  if (!v.empty()) kvpolicy::cuda::copy_to_device(b.data(), v.data(), v.size() * sizeof(T));
   return b;
 }
 

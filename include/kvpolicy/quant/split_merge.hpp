@@ -5,7 +5,8 @@
 //   M = max(m1, m2),  s = s1 e^(m1 - M) + s2 e^(m2 - M),  acc = acc1 e^(m1 - M) + acc2 e^(m2 - M)
 // before out = acc / s. A split whose logits are all masked (m = -inf, s = 0) is the identity.
 // The merge is exact in real arithmetic for any split points and merge order; in fp32 the result
-// differs from one pass by rounding only. (The split-KV kernel itself is not written yet.)
+// differs from one pass by rounding only. Used by the split-KV decode kernels (cuda/decode.cu,
+// cuda/decode_packed.cu).
 #pragma once
 #include <math.h>
 
