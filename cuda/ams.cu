@@ -64,6 +64,8 @@ Status ams_segment_quotas(const cuda_backend& be, const AmsRows& a,
   const std::size_t need = ams_rows_workspace_bytes(a.rows, a.begin, a.end);
   if (be.workspace_bytes < need || !be.workspace)
     return {StatusCode::insufficient_workspace, 0, "workspace below ams_rows_workspace_bytes"};
+  if (reinterpret_cast<std::uintptr_t>(be.workspace) % alignof(double) != 0)
+    return detail::invalid("ams: workspace is not 8-byte aligned");
   const unsigned grid = static_cast<unsigned>(a.rows < (1 << 20) ? a.rows : (1 << 20));
   ams_rows_kernel<<<grid, ams_block, 0, detail::stream_of(be.stream)>>>(
       a, p, static_cast<unsigned char*>(be.workspace));

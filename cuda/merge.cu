@@ -147,7 +147,9 @@ Status semantic_merge(const cuda_backend& be, const gsc::Params& params,
   const unsigned grid =
       static_cast<unsigned>(rows < semantic_merge_max_blocks ? rows : semantic_merge_max_blocks);
   const std::size_t smem = static_cast<std::size_t>(k.dim) * sizeof(double);
-  if (smem > 48 * 1024) return detail::invalid("head_dim above 6144");
+  // The static shared state counts toward the 48 KiB a launch gets without opting in.
+  if (smem > 48 * 1024 - sizeof(gsc::Shared))
+    return detail::invalid("head_dim too large: its fp64 row exceeds the 48 KiB of shared memory");
   auto* ws = static_cast<unsigned char*>(be.workspace);
   const cudaStream_t st = detail::stream_of(be.stream);
   switch (a.type) {

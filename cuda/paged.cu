@@ -233,7 +233,10 @@ Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& keys,
     if (Status st = check_pool(values); !st.ok()) return st;
     if (values.num_blocks != keys.num_blocks || values.layers != keys.layers ||
         values.heads != keys.heads || values.page_size != keys.page_size ||
-        values.dim != keys.dim || values.data == keys.data)
+        values.dim != keys.dim || values.elem_bytes != keys.elem_bytes ||
+        values.data == keys.data)
+      // Equal element sizes also keep the keys' plan (chunk rows staged in shared memory) valid
+      // for the values' launch.
       return detail::invalid("values pool does not match the keys pool (or is the same memory)");
   }
   if (t.requests < 0 || t.max_tokens < 0) return detail::invalid("negative request count");
@@ -246,6 +249,8 @@ Status paged_compact_rows(const cuda_backend& be, const PagedRowsView& keys,
   if (be.workspace_bytes < c.bytes || !be.workspace)
     return {StatusCode::insufficient_workspace, 0,
             "workspace below paged_compact_workspace_bytes"};
+  if (reinterpret_cast<std::uintptr_t>(be.workspace) % alignof(unsigned long long) != 0)
+    return detail::invalid("workspace is not 8-byte aligned");
   if (2 * c.items > 0x7fffffff) return detail::invalid("too many chunks for one grid");
   const int uk = pick_unit(keys, nullptr);
   if (!with_values) return compact_pools(be, keys, nullptr, uk, t, sel, c);

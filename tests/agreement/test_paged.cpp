@@ -490,6 +490,17 @@ TEST_CASE("cuda::paged_compact_rows rejects bad arguments before any device work
   auto same = kv;
   CHECK(cuda::paged_compact_rows(no_ws, kv, same, t, sel).code ==
         cuda::StatusCode::invalid_argument);
+  // A values pool with another element size (e.g. fp32 values, fp16 keys): rejected, since the
+  // launch plan (rows staged in shared memory) is made for the keys' row size.
+  auto wide = vv;
+  wide.elem_bytes = 4;
+  CHECK(cuda::paged_compact_rows(no_ws, kv, wide, t, sel).code ==
+        cuda::StatusCode::invalid_argument);
+  // A misaligned workspace (large enough) is rejected before any launch.
+  std::vector<unsigned long long> ws_host(wsb / sizeof(unsigned long long) + 2);
+  const cuda_backend misaligned{nullptr, reinterpret_cast<char*>(ws_host.data()) + 4, wsb};
+  CHECK(cuda::paged_compact_rows(misaligned, kv, vv, t, sel).code ==
+        cuda::StatusCode::invalid_argument);
   auto odd = kv;
   odd.elem_bytes = 3;
   CHECK(cuda::paged_compact_rows(no_ws, odd, {}, t, sel).code ==
