@@ -232,7 +232,8 @@ AdaCase random_ada_case(kvtest::Rng& rng) {
   return c;
 }
 
-std::vector<std::int64_t> cpu_adakv(const AdaCase& c) {
+// The CPU allocators' budgets for the case: adakv, or the chain pyramid | adakv.
+std::vector<std::int64_t> cpu_adakv(const AdaCase& c, bool pyramid_first = false) {
   ScoreMap s = c.scores;
   AllocContext ctx;
   ctx.scores = &s;
@@ -240,6 +241,7 @@ std::vector<std::int64_t> cpu_adakv(const AdaCase& c) {
   ctx.protect = c.protect;
   ctx.model_layers = c.L;
   std::vector<std::int64_t> b = c.budgets;
+  if (pyramid_first) Pyramid{}.allocate(ctx, b);
   AdaKV{c.alpha}.allocate(ctx, b);
   return b;
 }
@@ -556,16 +558,7 @@ TEST_CASE("CUDA pyramid | adakv on the device equals the CPU chain", "[agreement
     const std::int64_t b = rng.integer(P, c.T);
     c.budgets.assign(static_cast<std::size_t>(c.L * c.H), b);
     INFO("case " << it << " L=" << c.L << " H=" << c.H << " T=" << c.T << " b=" << b);
-    // CPU chain: pyramid, then adakv.
-    ScoreMap s = c.scores;
-    AllocContext ctx;
-    ctx.scores = &s;
-    ctx.tokens = c.T;
-    ctx.protect = c.protect;
-    ctx.model_layers = c.L;
-    std::vector<std::int64_t> want = c.budgets;
-    Pyramid{}.allocate(ctx, want);
-    AdaKV{c.alpha}.allocate(ctx, want);
+    const std::vector<std::int64_t> want = cpu_adakv(c, /*pyramid_first=*/true);
     // Device chain.
     auto sbuf = upload(std::vector<float>(c.scores.data(), c.scores.data() + c.L * c.H * c.T));
     const cuda::ScoreView sv{sbuf.as<const float>(), c.L, c.H, c.T, c.T};

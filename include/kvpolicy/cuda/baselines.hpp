@@ -27,12 +27,7 @@ void require_key_args(const cuda_backend& be, const KVView<const T>& keys,
   validate(keys, "keys");
   KVP_REQUIRE(keys.data && keys.layers > 0 && keys.heads > 0 && keys.tokens > 0 && keys.dim > 0,
               op, ": empty keys");
-  KVP_REQUIRE(out.data && out.layers == keys.layers && out.heads == keys.heads &&
-                  out.tokens == keys.tokens && out.row_stride >= out.tokens,
-              op, ": output score view must be non-null [", keys.layers, ",", keys.heads, ",",
-              keys.tokens, "] with row_stride >= tokens");
-  KVP_REQUIRE(be.workspace_bytes == 0 || be.workspace, op, ": workspace_bytes is ",
-              be.workspace_bytes, " but the workspace pointer is null");
+  require_score_output(be, keys, out, op);
 }
 }  // namespace detail
 

@@ -49,18 +49,9 @@ Status decode_attention(const cuda_backend& be, const TensorView& keys, const Te
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/error.hpp"
 #include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/cuda/tensor_view.hpp"
 
 namespace kvpolicy::cuda {
-
-template <Element T>
-TensorView decode_view(const KVView<T>& v) {
-  using U = std::remove_const_t<T>;
-  const ElemType t = std::is_same_v<U, float> ? ElemType::f32
-                     : std::is_same_v<U, half> ? ElemType::f16
-                                               : ElemType::bf16;
-  return {v.data,         t,           v.layers,       v.heads,       v.tokens, v.dim,
-          v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
-}
 
 namespace detail {
 template <Element T, Element Q>
@@ -91,7 +82,7 @@ std::size_t attention_workspace_bytes(const KVView<const T>& keys, const KVView<
                                       const KVView<const Q>& queries, const DecodeArgs& args) {
   detail::require_decode_args(keys, values, queries, args);
   std::size_t b = 0;
-  throw_if_error(decode_workspace_bytes(decode_view(keys), decode_view(queries), args, b),
+  throw_if_error(decode_workspace_bytes(tensor_view(keys), tensor_view(queries), args, b),
                  "cuda::attention_workspace_bytes");
   return b;
 }
@@ -102,8 +93,8 @@ void attention(const cuda_backend& be, const KVView<const T>& keys, const KVView
                const KVView<const Q>& queries, const DecodeArgs& args, float* out) {
   detail::require_decode_args(keys, values, queries, args);
   KVP_REQUIRE(out, "cuda::attention: null output");
-  throw_if_error(decode_attention(be, decode_view(keys), decode_view(values),
-                                  decode_view(queries), args, out),
+  throw_if_error(decode_attention(be, tensor_view(keys), tensor_view(values),
+                                  tensor_view(queries), args, out),
                  "cuda::attention");
 }
 

@@ -9,6 +9,7 @@
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/cpu/pooling.hpp"
 #include "kvpolicy/cuda/score_launch.hpp"
+#include "kvpolicy/cuda/tensor_view.hpp"
 #include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/snapkv.hpp"
 
@@ -23,15 +24,6 @@ static_assert(static_cast<int>(scoring::PoolKind::avg) == static_cast<int>(Pool:
 inline scoring::Reduce to_reduce(GqaReduce r) { return static_cast<scoring::Reduce>(r); }
 inline scoring::PoolKind to_pool(Pool p) { return static_cast<scoring::PoolKind>(p); }
 
-template <Element T>
-TensorView tensor_view(const KVView<T>& v) {
-  using U = std::remove_const_t<T>;
-  const ElemType t = std::is_same_v<U, float> ? ElemType::f32
-                     : std::is_same_v<U, half> ? ElemType::f16
-                                               : ElemType::bf16;
-  return {v.data,         t,           v.layers,       v.heads,       v.tokens, v.dim,
-          v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
-}
 
 namespace detail {
 template <Element T>
@@ -51,12 +43,7 @@ void require_score_args(const cuda_backend& be, const KVView<const T>& keys,
   KVP_REQUIRE(nq >= 1 && nq <= keys.tokens && nq <= queries.tokens, op, ": need 1..",
               std::min(keys.tokens, queries.tokens), " queries, got ", nq);
   KVP_REQUIRE(keys.dim <= 256, op, ": head_dim ", keys.dim, " above 256 is not supported");
-  KVP_REQUIRE(out.data && out.layers == keys.layers && out.heads == keys.heads &&
-                  out.tokens == keys.tokens && out.row_stride >= out.tokens,
-              op, ": output score view must be non-null [", keys.layers, ",", keys.heads, ",",
-              keys.tokens, "] with row_stride >= tokens");
-  KVP_REQUIRE(be.workspace_bytes == 0 || be.workspace, op, ": workspace_bytes is ",
-              be.workspace_bytes, " but the workspace pointer is null");
+  require_score_output(be, keys, out, op);
 }
 
 inline std::size_t bytes_or_throw(Status s, std::size_t bytes, const char* op) {
