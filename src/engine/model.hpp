@@ -2,7 +2,7 @@
 // dequantized once to fp32 (row-major [out][in], as Eigen GEMMs want them). Immutable after
 // load, so many Engines (sequences) can share one Model.
 #pragma once
-#include <Eigen/Core>
+#include "kvpolicy/core/eigen.hpp"
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -1,7 +1,7 @@
 // Element types of the cache: float, Eigen::half, Eigen::bfloat16 on the host (bit-compatible with
 // __half / __nv_bfloat16 on the device). All scoring math is fp32 whatever the cache type.
 #pragma once
-#include <Eigen/Core>
+#include "kvpolicy/core/eigen.hpp"
 #include <concepts>
 #include <cstdint>
 #include <string_view>

@@ -4,7 +4,7 @@
 // query i of n_q sees the first len - n_q + i + 1 keys (prefill of an uncompressed tail).
 //   out[q, i, :] = sum_j softmax_j(q_i . k_j / sqrt(d) + bias[h, j]) v_j     (fp32)
 #pragma once
-#include <Eigen/Core>
+#include "kvpolicy/core/eigen.hpp"
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -53,26 +53,40 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
   };
   std::int64_t max_len = 0;
   for (std::int64_t h = 0; h < Hkv; ++h) max_len = std::max(max_len, args.lengths[h]);
-  // One item per query head (Hq items keep both cores busy even with 3 KV heads). Each item
-  // writes its own output rows and, for H2O, its own column sums of the probabilities; the
-  // group's sums are added afterwards in query-head order, so results do not depend on the
-  // thread count.
-  std::vector<float> col_sums(args.accumulate ? static_cast<std::size_t>(Hq * max_len) : 0);
-  parallel_for(be, Hq, [&](std::int64_t qh) {
-    const std::int64_t h = qh / g, len = args.lengths[h];
-    Eigen::Map<RowMatrix> o(out + qh * nq * d, nq, d);
+  // GQA-aware: the g query heads of KV head h are stacked into R = g * n_q rows (row
+  // r = qi * n_q + i is query i of query head h * g + qi), so each block of rows reads K and V
+  // once for the whole group (at decode, n_q = 1, one KV head's K/V are read once instead of g
+  // times). Items are (KV head, block of kRowBlock rows); the blocks depend only on the shape,
+  // never on the thread count, and each item writes its own output rows and, for H2O, its own
+  // column sums of the probabilities, added afterwards in item order: results do not depend on
+  // the number of threads.
+  constexpr std::int64_t kRowBlock = 128;
+  const std::int64_t R = g * nq, blocks = (R + kRowBlock - 1) / kRowBlock;
+  std::vector<float> col_sums(args.accumulate ? static_cast<std::size_t>(Hkv * blocks * max_len)
+                                              : 0);
+  parallel_for(be, Hkv * blocks, [&](std::int64_t item) {
+    const std::int64_t h = item / blocks, r0 = (item % blocks) * kRowBlock;
+    const std::int64_t rows = std::min(kRowBlock, R - r0), len = args.lengths[h];
+    auto out_row = [&](std::int64_t r) {
+      const std::int64_t qh = h * g + r / nq, i = r % nq;
+      return out + (qh * nq + i) * d;
+    };
     if (len == 0) {
-      o.setZero();
+      for (std::int64_t r = r0; r < r0 + rows; ++r) std::fill_n(out_row(r), d, 0.0f);
       return;
     }
-    RowMatrix kb, vb, qb, probs;
+    RowMatrix kb, vb, qb(rows, d), probs, o;
     RowMap K = rows_f32(keys, 0, h, 0, len, kb);
     RowMap V = rows_f32(values, 0, h, 0, len, vb);
-    load_rows(queries, 0, qh, 0, nq, qb);
-    probs.noalias() = (qb * scale) * K.transpose();  // n_q x len logits
-    for (std::int64_t i = 0; i < nq; ++i) {
-      const std::int64_t n = visible(len, i);
-      auto row = probs.row(i).array();
+    for (std::int64_t r = r0; r < r0 + rows; ++r) {
+      const auto* src = queries.row(0, h * g + r / nq, r % nq);
+      for (std::int64_t x = 0; x < d; ++x)
+        qb(r - r0, x) = static_cast<float>(src[x * queries.stride_dim]);
+    }
+    probs.noalias() = (qb * scale) * K.transpose();  // rows x len logits
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t n = visible(len, (r0 + r) % nq);
+      auto row = probs.row(r).array();
       if (n == 0) {
         row.setZero();
         continue;
@@ -86,8 +100,9 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
       row.tail(len - n).setZero();
     }
     o.noalias() = probs * V;  // one GEMM; masked entries are exact zeros
+    for (std::int64_t r = 0; r < rows; ++r) std::copy_n(o.row(r).data(), d, out_row(r0 + r));
     if (args.accumulate) {
-      float* cs = col_sums.data() + qh * max_len;
+      float* cs = col_sums.data() + item * max_len;
       Eigen::Map<Eigen::RowVectorXf>(cs, len).noalias() = probs.colwise().sum();
     }
   });
@@ -98,8 +113,8 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
       float* acc = args.accumulate + h * args.state_stride;
       for (std::int64_t j = 0; j < len; ++j) {
         float s = 0.f;
-        for (std::int64_t qh = h * g; qh < (h + 1) * g; ++qh)
-          s += col_sums[static_cast<std::size_t>(qh * max_len + j)];
+        for (std::int64_t b = 0; b < blocks; ++b)
+          s += col_sums[static_cast<std::size_t>((h * blocks + b) * max_len + j)];
         acc[j] += args.acc_scale * s;
       }
     }

@@ -10,7 +10,7 @@
 // tile's own row maxima while still in cache; a second pass rescales every tile to the row's
 // global maximum and sum while adding the column sums (two passes over the strip instead of six).
 #pragma once
-#include <Eigen/Core>
+#include "kvpolicy/core/eigen.hpp"
 #include <algorithm>
 #include <cmath>
 #include <limits>
