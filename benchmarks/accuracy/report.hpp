@@ -1,10 +1,12 @@
-// Output helpers of the accuracy benchmark: a progress bar on stderr, a small JSON writer, and
-// markdown tables.
+// Output helpers of the accuracy benchmark: a progress bar on stderr, markdown tables, and the
+// report: every table, interval and paired comparison, computed from a result's raw records.
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace kvbench {
 
@@ -26,33 +28,17 @@ class Progress {
   std::chrono::steady_clock::time_point start_, last_draw_;
 };
 
-// Minimal JSON writer: objects, arrays, numbers (non-finite -> null), strings, booleans.
-class Json {
- public:
-  Json& begin_object(const char* key = nullptr);
-  Json& end_object();
-  Json& begin_array(const char* key = nullptr);
-  Json& end_array();
-  Json& value(const char* key, double v);
-  Json& value(const char* key, std::int64_t v);
-  Json& value(const char* key, int v) { return value(key, static_cast<std::int64_t>(v)); }
-  Json& value(const char* key, bool v);
-  Json& value(const char* key, const std::string& v);
-  Json& value(const char* key, const char* v) { return value(key, std::string(v)); }
-  const std::string& str() const { return out_; }
-
- private:
-  void key(const char* k);
-  std::string out_;
-  std::vector<bool> first_;  // per open container: no element written yet
-};
-
-std::string json_escape(const std::string& s);
-
 // Markdown table: header, then rows of cells (already formatted).
 std::string markdown_table(const std::vector<std::string>& header,
                            const std::vector<std::vector<std::string>>& rows);
 // printf-style formatting into a std::string.
 std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+
+// The markdown report of a kvpolicy_accuracy result (one run, or merged shards): per-task tables
+// with 95% intervals (Wilson for exact match, percentile bootstrap for means), the best policy
+// per (budget, regime) with a paired comparison against the runner-up, the long-generation
+// curves and the throughput table. Records are sorted first, so the report does not depend on
+// the order in which shards ran or were merged. Stores the aggregates in results["summary"].
+std::string render_report(nlohmann::json& results);
 
 }  // namespace kvbench

@@ -166,8 +166,13 @@ Fidelity compare_run(Engine& policy, std::span<const std::int32_t> cont, const R
 }
 
 std::vector<Fidelity> compare_run_batch(const std::vector<Engine*>& es,
-                                        std::span<const std::int32_t> cont, const Reference& ref) {
+                                        std::span<const std::int32_t> cont, const Reference& ref,
+                                        std::vector<std::vector<double>>* kl_pos,
+                                        std::vector<std::vector<std::uint8_t>>* agree_pos) {
   const auto n = static_cast<Eigen::Index>(cont.size());
+  if (kl_pos) kl_pos->assign(es.size(), std::vector<double>(static_cast<std::size_t>(n), 0.0));
+  if (agree_pos)
+    agree_pos->assign(es.size(), std::vector<std::uint8_t>(static_cast<std::size_t>(n), 0));
   std::vector<Fidelity> f(es.size());
   std::vector<double> kl(es.size(), 0), nll(es.size(), 0);
   std::vector<std::int64_t> agree(es.size(), 0);
@@ -186,6 +191,9 @@ std::vector<Fidelity> compare_run_batch(const std::vector<Engine*>& es,
       kl[s] += std::max(0.0, k);
       nll[s] -= row[static_cast<std::size_t>(cont[static_cast<std::size_t>(i)])];
       agree[s] += am == ref.argmax[static_cast<std::size_t>(i)];
+      if (kl_pos) (*kl_pos)[s][static_cast<std::size_t>(i)] = std::max(0.0, k);
+      if (agree_pos)
+        (*agree_pos)[s][static_cast<std::size_t>(i)] = am == ref.argmax[static_cast<std::size_t>(i)];
       next[s] = cont[static_cast<std::size_t>(i)];
     }
     Engine::step_batch(es, next);

@@ -22,6 +22,7 @@
 namespace kvbench {
 
 using kvpolicy::engine::Engine;
+using kvpolicy::engine::EngineConfig;
 using kvpolicy::engine::Model;
 
 struct GridPoint {
@@ -84,8 +85,11 @@ struct Reference {
 Reference reference_run(Engine& full, std::span<const std::int32_t> cont);
 Fidelity compare_run(Engine& policy, std::span<const std::int32_t> cont, const Reference& ref);
 // The same for decode-time policies, fed token by token, all engines batched per step.
+// Optionally also per position: kl_pos[s][i] and agree_pos[s][i] (1 if the argmaxes agree).
 std::vector<Fidelity> compare_run_batch(const std::vector<Engine*>& es,
-                                        std::span<const std::int32_t> cont, const Reference& ref);
+                                        std::span<const std::int32_t> cont, const Reference& ref,
+                                        std::vector<std::vector<double>>* kl_pos = nullptr,
+                                        std::vector<std::vector<std::uint8_t>>* agree_pos = nullptr);
 
 // In-place log-softmax of a row (double accumulation).
 void log_softmax(std::span<float> row);

@@ -1,6 +1,8 @@
 """The accuracy benchmark's tasks (benchmarks/accuracy) on the reference engine, in a notebook:
 
     m = kvpolicy.Model()
+    kvpolicy.tasks.retrieval(m, ["snapkv", "tova"], budgets=[0.1, 0.2], task="niah",
+                             length=1024, prompts=4, regimes=("known", "agnostic"))
     kvpolicy.tasks.passkey(m, ["snapkv", "tova"], budgets=[0.1, 0.2], length=1024)
     kvpolicy.tasks.fidelity(m, ["snapkv", "knorm"], budgets=[0.2])
 
@@ -18,6 +20,8 @@ from ._engine import Engine, Model
 from ._policy import Policy
 
 FULL = "streaming"  # with budget 1.0: the full cache
+TASKS = tuple(_core.retrieval_tasks())  # passkey, niah, multikey, multivalue, vartrack
+_corpora: Dict[tuple, object] = {}
 
 
 def _recorder(model: Model, policies: Iterable[str]) -> Engine:
@@ -66,4 +70,34 @@ def fidelity(model: Model, policies: Sequence[str] = ("snapkv",),
             e.compress_now()
             r = _core.compare_run(e._e, cont, ref)
             rows.append(dict(policy=policy, budget=budget, text=name, full_nll=ref.nll, **r))
+    return rows
+
+
+def retrieval(model: Model, policies: Sequence[str] = ("snapkv",),
+              budgets: Sequence[float] = (0.2,), *, task: str = "niah", length: int = 1024,
+              prompts: int = 4, regimes: Sequence[str] = ("known", "agnostic"),
+              prompt_set: str = "eval", first: int = 0, greedy_tokens: int = 0,
+              threads: int = 0) -> List[Dict[str, object]]:
+    """RULER-style retrieval (``task`` in TASKS) in both regimes, as ``kvpolicy_accuracy`` runs
+    it: "known" compresses the prompt with its question, "agnostic" compresses the context and
+    then appends the question and answer uncompressed. One row per (prompt, regime, policy,
+    budget) with ``em`` (greedy decoding reproduces the answer), ``logp`` (the answer's
+    log-probability, nats), ``dlogp`` (minus the full cache's) and ``kept`` (kept fraction of the
+    cached tokens), plus the full cache's ``full_em`` / ``full_logp``. Prompts ``first ..
+    first + prompts - 1`` of the ``prompt_set`` ("eval", or "calibration" for tuning: other
+    corpora and seeds)."""
+    key = (id(model._m), prompt_set)
+    if key not in _corpora:
+        _corpora[key] = (model, _core.load_corpora(model._m, prompt_set))
+    corpora = _corpora[key][1]
+    window = max([1] + [Policy(p).query_window for p in policies])
+    grid = [(p, float(b)) for p in policies for b in budgets]
+    rows: List[Dict[str, object]] = []
+    for index in range(first, first + prompts):
+        r = _core.run_retrieval(model._m, corpora, task, length, index, grid, list(regimes),
+                                window, threads, greedy_tokens)
+        for c in r["cells"]:
+            rows.append(dict(task=task, length=length, index=index, tokens=r["tokens"],
+                             source=r["source"], answer=r["answer"], full_em=r["full_em"],
+                             full_logp=r["full_logp"], **c))
     return rows

@@ -7,6 +7,7 @@
 
 #include "arrays.hpp"
 #include "engine/engine.hpp"
+#include "retrieval.hpp"  // benchmarks/accuracy: the retrieval tasks and corpora
 #include "tasks.hpp"  // benchmarks/accuracy: the accuracy benchmark's tasks
 
 namespace kvpy {
@@ -80,6 +81,102 @@ void bind_tasks(py::module_& m) {
         return py::make_tuple(t.name, t.prompt, t.continuation);
       },
       py::arg("model"), py::arg("path"), py::arg("prompt_tokens"), py::arg("cont_tokens"));
+  // Retrieval tasks (benchmarks/accuracy/retrieval.hpp): corpora are tokenized once per set.
+  struct CorpusSet {
+    kvbench::PromptSet set;
+    std::vector<kvbench::Corpus> corpora;
+  };
+  auto prompt_set = [](const std::string& s) {
+    KVP_REQUIRE(s == "eval" || s == "calibration", "prompt_set must be 'eval' or 'calibration' (got '",
+                s, "')");
+    return s == "eval" ? kvbench::PromptSet::eval : kvbench::PromptSet::calibration;
+  };
+  py::class_<CorpusSet>(m, "CorpusSet")
+      .def_property_readonly("names", [](const CorpusSet& c) {
+        std::vector<std::string> out;
+        for (const auto& x : c.corpora) out.push_back(x.name);
+        return out;
+      });
+  m.def(
+      "load_corpora",
+      [prompt_set](const Model& model, const std::string& set) {
+        CorpusSet c{prompt_set(set), {}};
+        py::gil_scoped_release nogil;
+        for (const auto& path : kvbench::corpus_paths(c.set))
+          c.corpora.push_back(kvbench::load_corpus(model, path));
+        return c;
+      },
+      py::arg("model"), py::arg("prompt_set") = "eval");
+  m.def("retrieval_tasks", &kvbench::retrieval_tasks);
+  m.def(
+      "retrieval_prompt",
+      [](const Model& model, const CorpusSet& c, const std::string& task, std::int64_t length,
+         std::int64_t index) {
+        const auto p = kvbench::make_retrieval_prompt(model, c.corpora, c.set, task, length, index);
+        py::dict d;
+        d["context"] = p.context;
+        d["question"] = p.question;
+        d["prefix"] = p.prefix;
+        d["answer"] = p.answer;
+        d["answer_text"] = p.answer_text;
+        d["source"] = p.source;
+        d["depths"] = p.depths;
+        return d;
+      },
+      py::arg("model"), py::arg("corpora"), py::arg("task"), py::arg("length"), py::arg("index"));
+  m.def(
+      "run_retrieval",
+      [](const Model& model, const CorpusSet& c, const std::string& task, std::int64_t length,
+         std::int64_t index, const std::vector<std::pair<std::string, double>>& grid,
+         const std::vector<std::string>& regimes, std::int64_t record_queries, int threads,
+         std::int64_t greedy_tokens) {
+        std::vector<kvbench::GridPoint> g;
+        for (const auto& [p, b] : grid) g.push_back({p, b});
+        std::vector<kvbench::Regime> rs;
+        for (const auto& r : regimes) {
+          KVP_REQUIRE(r == "known" || r == "agnostic", "regimes: unknown regime '", r,
+                      "' (known, agnostic)");
+          rs.push_back(r == "known" ? kvbench::Regime::question_known
+                                    : kvbench::Regime::question_agnostic);
+        }
+        kvpolicy::engine::EngineConfig cfg;
+        cfg.policy = "streaming";
+        cfg.threads = threads;
+        cfg.record_queries = record_queries;
+        cfg.record_attention = true;
+        kvbench::RetrievalPrompt p;
+        kvbench::RetrievalOutcome r;
+        {
+          py::gil_scoped_release nogil;
+          p = kvbench::make_retrieval_prompt(model, c.corpora, c.set, task, length, index);
+          r = kvbench::run_retrieval(model, p, g, rs, cfg, greedy_tokens);
+        }
+        py::dict d;
+        d["tokens"] = p.context.size() + p.question.size();
+        d["answer"] = p.answer_text;
+        d["source"] = p.source;
+        d["full_em"] = r.full.em;
+        d["full_logp"] = r.full.logp;
+        d["full_greedy"] = r.full_greedy;
+        py::list cells;
+        for (std::size_t ri = 0; ri < rs.size(); ++ri)
+          for (std::size_t i = 0; i < g.size(); ++i) {
+            py::dict x;
+            x["regime"] = regimes[ri];
+            x["policy"] = g[i].policy;
+            x["budget"] = g[i].budget;
+            x["em"] = r.cells[ri][i].em;
+            x["logp"] = r.cells[ri][i].logp;
+            x["dlogp"] = r.cells[ri][i].logp - r.full.logp;
+            x["kept"] = r.kept_fraction[ri][i];
+            cells.append(x);
+          }
+        d["cells"] = cells;
+        return d;
+      },
+      py::arg("model"), py::arg("corpora"), py::arg("task"), py::arg("length"), py::arg("index"),
+      py::arg("grid"), py::arg("regimes"), py::arg("record_queries"), py::arg("threads") = 0,
+      py::arg("greedy_tokens") = 0);
   py::class_<kvbench::Reference>(m, "FidelityReference")
       .def_readonly("nll", &kvbench::Reference::nll);
   m.def(

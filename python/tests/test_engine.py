@@ -52,3 +52,28 @@ def test_accuracy_tasks(model):
                                   cont_tokens=8)
     assert fid[0]["kl"] < 1e-6 and fid[0]["top1"] == 1.0  # budget 1.0: the full cache
     assert fid[1]["kl"] > 0
+
+
+def test_retrieval_both_regimes(model):
+    rows = kvpolicy.tasks.retrieval(model, ["snapkv(window=8)", "streaming"], budgets=[1.0, 0.3],
+                                    task="passkey", length=320, prompts=1,
+                                    regimes=("known", "agnostic"))
+    assert len(rows) == 2 * 2 * 2
+    assert {r["regime"] for r in rows} == {"known", "agnostic"}
+    assert rows[0]["full_em"] and rows[0]["answer"].isdigit()
+    for r in rows:
+        if r["budget"] == 1.0:
+            # Nothing evicted: the same answer log-probability as the full cache (up to the
+            # summation order of a batched forward pass).
+            assert abs(r["dlogp"]) < 1e-3 and r["em"] and r["kept"] == 1.0
+        else:
+            assert 0.25 < r["kept"] < 0.35
+    # The question-agnostic StreamingLLM fork at 30% keeps only the prompt's head and tail: the
+    # key in the middle of the filler is gone.
+    lost = [r for r in rows if r["policy"] == "streaming" and r["budget"] == 0.3]
+    assert all(r["dlogp"] < -1.0 for r in lost)
+    with pytest.raises(ValueError, match="unknown task"):
+        kvpolicy.tasks.retrieval(model, ["snapkv"], task="nope", length=320, prompts=1)
+    with pytest.raises(ValueError, match="unknown regime"):
+        kvpolicy.tasks.retrieval(model, ["snapkv"], task="niah", length=320, prompts=1,
+                                 regimes=("maybe",))

@@ -303,6 +303,50 @@ void Engine::step_batch(std::span<Engine* const> engines, std::span<const std::i
   }
 }
 
+std::vector<Matrix> Engine::extend_batch(std::span<Engine* const> engines,
+                                         std::span<const std::span<const std::int32_t>> tokens,
+                                         std::int64_t logit_rows) {
+  KVP_REQUIRE(engines.size() == tokens.size(), "engine.extend_batch: ", engines.size(),
+              " engines but ", tokens.size(), " token spans");
+  std::vector<Matrix> out(engines.size());
+  if (engines.empty()) return out;
+  for (std::size_t s = 0; s < engines.size(); ++s) {
+    KVP_REQUIRE(engines[s] != nullptr, "engine.extend_batch: engine ", s, " is null");
+    KVP_REQUIRE(engines[s]->position_ > 0, "engine.extend_batch: engine ", s,
+                " has no prompt; prefill first");
+    KVP_REQUIRE(!tokens[s].empty(), "engine.extend_batch: no tokens for engine ", s);
+    for (std::size_t t = 0; t < s; ++t)
+      KVP_REQUIRE(engines[t] != engines[s], "engine.extend_batch: engine ", s,
+                  " appears twice in the batch");
+  }
+  forward_multi(engines, tokens, false);
+  // One vocabulary GEMM over the requested rows of the whole batch.
+  auto wanted = [&](std::size_t s) {
+    const auto n = static_cast<std::int64_t>(tokens[s].size());
+    return logit_rows > 0 ? std::min(n, logit_rows) : n;
+  };
+  std::int64_t rows = 0;
+  for (std::size_t s = 0; s < engines.size(); ++s) rows += wanted(s);
+  Matrix hidden(rows, engines[0]->model_.config().n_embd), logits;
+  std::int64_t r = 0;
+  for (std::size_t s = 0; s < engines.size(); ++s) {
+    const std::int64_t m = wanted(s), n = static_cast<std::int64_t>(tokens[s].size());
+    hidden.middleRows(r, m) = engines[s]->hidden_.middleRows(n - m, m);
+    r += m;
+  }
+  linear(hidden, engines[0]->model_.weights().lm_head(), logits,
+         thread_count(engines[0]->cfg_.threads));
+  r = 0;
+  for (std::size_t s = 0; s < engines.size(); ++s) {
+    const std::int64_t m = wanted(s);
+    out[s] = logits.middleRows(r, m);
+    r += m;
+    const float* last = out[s].row(m - 1).data();
+    engines[s]->last_logits_.assign(last, last + out[s].cols());
+  }
+  return out;
+}
+
 void Engine::logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const {
   const Matrix rows = hidden_.middleRows(first, count);
   linear(rows, model_.weights().lm_head(), out, thread_count(cfg_.threads));

@@ -68,6 +68,18 @@ class Engine {
   // and compression stay per sequence, each over its own session and length. All engines must
   // share one Model and be distinct; afterwards each one's last_logits() predicts its next token.
   static void step_batch(std::span<Engine* const> engines, std::span<const std::int32_t> tokens);
+  // extend() for several sequences at once, without compressing: engines[i] appends tokens[i]
+  // (any lengths, at least one token each) in one forward pass whose projections run as GEMMs
+  // over all stacked rows; attention stays per sequence. Returns, per engine, the logits
+  // [m_i][vocab] of its last m_i = min(n_i, logit_rows) appended positions (logit_rows <= 0: all
+  // of them; the vocabulary projection is the costliest GEMM, so ask only for the rows you
+  // score). The last row is also the engine's last_logits(). No
+  // compression runs, whatever the policy: callers that want one call compress_now(). This is
+  // how the accuracy benchmark scores a question and answer on many compressed forks of one
+  // prompt. Engines must share one Model, be distinct and hold a prefix (position() > 0).
+  static std::vector<Matrix> extend_batch(std::span<Engine* const> engines,
+                                          std::span<const std::span<const std::int32_t>> tokens,
+                                          std::int64_t logit_rows = 0);
   // Greedy continuation of the current state (the last logits): up to max_new tokens, stopping
   // after any id in `stop` (default: the model's EOS). The stop token is included and fed.
   std::vector<std::int32_t> generate(std::int64_t max_new, std::vector<std::int32_t> stop = {-2});
