@@ -162,7 +162,7 @@ TEST_CASE("score_answer: exact match and log-probability from hand-made logits",
                     Catch::Contains("2 logit rows for 1 answer tokens"));
 }
 
-TEST_CASE("run_retrieval: budget 1.0 equals the full cache in both regimes; evictions cost", "[bench]") {
+TEST_CASE("run_retrieval: budget 1.0 equals the full cache in both regimes, evictions cost", "[bench]") {
   const auto p = kvbench::make_retrieval_prompt(model(), eval_corpora(), PromptSet::eval, "niah", 400, 0);
   kvpolicy::engine::EngineConfig cfg;
   cfg.policy = "streaming";
