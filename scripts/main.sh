@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's main job: set-up, a native Release build, then the accuracy + throughput
 # benchmark on the bundled model (build-release/benchmarks/kvpolicy_accuracy; arguments are
-# passed on to it, e.g. --quick or --help). It prints markdown tables and writes
-# accuracy-results/results.json and accuracy-results/*.png. About 10 minutes on 2 cores.
+# passed on to it, e.g. --quick, --suite full, --shard 0/4 or --help). It prints markdown tables
+# with 95% intervals and writes accuracy-results/results.json, report.md and *.png. The default
+# run takes about 10 minutes on 2 cores; --suite full about an hour.
 # The kernel micro-benchmarks (Google Benchmark) are build-release/benchmarks/kvpolicy_bench.
 # Environment: KVPOLICY_RELEASE_BUILD_DIR (default build-release), KVPOLICY_JOBS (default nproc),
 # CCACHE_DIR (default $HOME/.cache/ccache).

@@ -15,6 +15,7 @@
 // so merged shards give exactly the numbers of one run.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -57,9 +59,9 @@ struct Options {
   std::vector<std::string> tasks = retrieval_tasks();
   std::vector<std::string> regimes = {"known", "agnostic"};
   std::vector<std::int64_t> lengths = {512, 1024};
-  std::int64_t grid_length = 1024, prompts = 8, curve_prompts = 8, greedy_tokens = 12;
-  std::int64_t windows = 4, text_prompt = 512, text_cont = 64;
-  std::vector<std::string> long_policies = {"h2o", "snapkv", "tova", "snapkv | ams"};
+  std::int64_t grid_length = 1024, prompts = 6, curve_prompts = 4, greedy_tokens = 12;
+  std::int64_t windows = 4, text_prompt = 768, text_cont = 32;
+  std::vector<std::string> long_policies = {"h2o", "snapkv", "snapkv | ams"};
   std::vector<std::int64_t> long_budgets = {128, 256};
   std::int64_t long_tokens = 1024, long_prompts = 1, long_interval = 16, long_bin = 64;
   std::vector<std::int64_t> throughput_lengths = {4096};
@@ -83,7 +85,7 @@ void apply_suite(Options& o) {
     o.lengths = {512, 1024, 2048};
     o.windows = 8;
     o.text_prompt = 1024;
-    o.text_cont = 96;
+    o.text_cont = 64;
     o.long_policies = {"streaming", "h2o", "snapkv", "tova", "snapkv | ams"};
     o.long_prompts = 3;
     o.long_budgets = {128, 256, 512};
@@ -197,6 +199,8 @@ Options parse_args(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       std::exit(pre.exit(e));
     }
+    KVP_REQUIRE(!quick || o.suite == "default" || o.suite == "quick",
+                "--quick and --suite ", o.suite, " exclude each other");
     if (quick) o.suite = "quick";
     apply_suite(o);
   }
@@ -305,6 +309,27 @@ Options parse_args(int argc, char** argv) {
   if (!tasks.empty()) o.tasks = split(tasks, ',');
   if (!regimes.empty()) o.regimes = split(regimes, ',');
   if (!skip.empty()) o.skip = split(skip, ',');
+  // A repeated entry would count the same samples twice (and rank a policy against itself).
+  auto unique = [](const char* flag, auto v) {
+    std::sort(v.begin(), v.end());
+    const auto dup = std::adjacent_find(v.begin(), v.end());
+    if (dup != v.end()) {
+      std::ostringstream os;
+      os << *dup;
+      KVP_REQUIRE(false, flag, ": '", os.str(), "' is listed twice");
+    }
+  };
+  unique("--policies", o.policies);
+  unique("--long-policies", o.long_policies);
+  unique("--budgets", o.budgets);
+  unique("--long-budgets", o.long_budgets);
+  unique("--tasks", o.tasks);
+  unique("--regimes", o.regimes);
+  unique("--lengths", o.lengths);
+  unique("--throughput-lengths", o.throughput_lengths);
+  unique("--skip", o.skip);
+  KVP_REQUIRE(o.long_prompts <= 5, "--long-prompts: ", o.long_prompts,
+              " is more than the 5 long-generation prompts there are");
   for (double b : o.budgets) KVP_REQUIRE(b > 0 && b <= 1, "--budgets: ", b, " is not in (0, 1]");
   for (auto b : o.long_budgets) KVP_REQUIRE(b > 0, "--long-budgets: ", b, " is not positive");
   for (auto L : o.lengths) KVP_REQUIRE(L > 0, "--lengths: ", L, " is not positive");
@@ -422,8 +447,11 @@ json run_fidelity_unit(const Model& m, const Options& o, const Corpus& c, std::i
   const std::int64_t need = o.text_prompt + o.text_cont;
   const auto total = static_cast<std::int64_t>(c.ids.size());
   KVP_REQUIRE(total >= need, "fidelity: ", c.path, " has ", total, " tokens, fewer than ", need);
-  const std::int64_t slots = std::max<std::int64_t>(1, total / need);
-  const std::int64_t offset = ((w * 7919) % slots) * (total - need) / std::max<std::int64_t>(1, slots - 1);
+  // Windows sit in distinct slots of `need` tokens, spread over the text (preflight checked
+  // that there are at least --windows slots).
+  const std::int64_t slots = total / need;
+  KVP_REQUIRE(w < slots, "fidelity: window ", w, " of ", c.path, " does not fit (", slots, " slots)");
+  const std::int64_t offset = (w * slots / o.windows) * need;
   const std::span<const std::int32_t> ids(c.ids);
   const auto prompt = ids.subspan(static_cast<std::size_t>(offset), static_cast<std::size_t>(o.text_prompt));
   const auto cont = ids.subspan(static_cast<std::size_t>(offset + o.text_prompt),
@@ -483,6 +511,38 @@ const std::vector<std::string>& long_prompts() {
   return p;
 }
 
+// The full cache's continuation, sampled at temperature 0.7 with a fixed seed (draws from
+// std::mt19937_64's fixed sequence, not from implementation-defined distributions). Greedy
+// decoding of this small model falls into loops ("1. The Lion (Lionidae)" a thousand times),
+// which no policy can get wrong; sampled text keeps referring to the list's format and
+// earlier items. EOS is never drawn: the task needs its length.
+std::vector<std::int32_t> sample_continuation(Engine& e, std::int64_t n, std::uint64_t seed) {
+  constexpr double kTemperature = 0.7;
+  std::mt19937_64 rng(seed);
+  const std::int32_t eos = e.model().tokenizer().eos();
+  std::vector<std::int32_t> out;
+  std::vector<double> p;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto logits = e.last_logits();
+    const float mx = *std::max_element(logits.begin(), logits.end());
+    p.assign(logits.size(), 0.0);
+    double sum = 0;
+    for (std::size_t j = 0; j < logits.size(); ++j) {
+      if (static_cast<std::int32_t>(j) == eos) continue;
+      p[j] = std::exp(static_cast<double>(logits[j] - mx) / kTemperature);
+      sum += p[j];
+    }
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * sum;
+    std::size_t t = 0;
+    for (double acc = p[0]; acc <= u && t + 1 < p.size(); acc += p[++t]) {
+    }
+    while (p[t] == 0.0 && t > 0) --t;  // never land on an excluded token
+    out.push_back(static_cast<std::int32_t>(t));
+    e.step(out.back());
+  }
+  return out;
+}
+
 json run_long_unit(const Model& m, const Options& o, std::int64_t index, const EngineConfig& cfg) {
   const auto& tok = m.tokenizer();
   const auto& prompts = long_prompts();
@@ -491,9 +551,9 @@ json run_long_unit(const Model& m, const Options& o, std::int64_t index, const E
   Engine full(m, cfg);
   full.prefill(ids);
   Engine gen = full.fork(kFull, Budget::ratio(1.0));
-  // The full cache's own greedy generation (EOS allowed only at the very end: the task needs
-  // its length), then teacher-forced through every policy.
-  std::vector<std::int32_t> cont = gen.generate(o.long_tokens, {});
+  // The full cache's own generation, then teacher-forced through every policy.
+  const std::vector<std::int32_t> cont =
+      sample_continuation(gen, o.long_tokens, 0x5eed0000u + static_cast<std::uint64_t>(index));
   Engine ref_engine = full.fork(kFull, Budget::ratio(1.0));
   const Reference ref = reference_run(ref_engine, cont);
   std::vector<std::unique_ptr<Engine>> forks;
@@ -598,6 +658,56 @@ json run_throughput(const Model& m, const Options& o, Progress& prog) {
 
 // ---- running ----------------------------------------------------------------------------
 
+// Fails before anything long runs when a budget would keep fewer tokens than a policy protects
+// (e.g. snapkv's 64-token window at 10% of a 512-token prompt), when a corpus is too short for
+// the haystacks or the fidelity windows, or when windows would repeat: errors name the flags.
+void preflight(const Options& o, const Model& m, const std::vector<Corpus>& corpora) {
+  auto check = [](const std::string& spec, std::int64_t keep, std::int64_t tokens,
+                  const std::string& what, const char* flag) {
+    const Policy p(spec);
+    const std::int64_t prot = p.protect(tokens, keep).total(tokens);
+    KVP_REQUIRE(keep >= tokens || keep >= prot, "a budget of ", keep, " of the ", tokens,
+                " tokens of a ", what, " is below the ", prot, " tokens that '", spec,
+                "' protects; raise ", flag, " or the budget");
+  };
+  auto ratio = [](double b, std::int64_t t) {
+    return static_cast<std::int64_t>(std::llround(b * static_cast<double>(t)));
+  };
+  // The question-agnostic regime compresses the context alone: the prompt minus its question.
+  std::int64_t context = o.grid_length;
+  if (runs(o, "retrieval") && !corpora.empty())
+    for (const auto& t : o.tasks) {
+      const auto p = make_retrieval_prompt(m, corpora, o.prompt_set == "eval" ? PromptSet::eval
+                                                                              : PromptSet::calibration,
+                                           t, o.grid_length, 0);
+      context = std::min<std::int64_t>(context, static_cast<std::int64_t>(p.context.size()));
+    }
+  for (const auto& p : o.policies)
+    for (double b : o.budgets) {
+      if (runs(o, "fidelity"))
+        check(p, ratio(b, o.text_prompt), o.text_prompt, "fidelity prompt", "--text-prompt");
+      if (runs(o, "retrieval"))
+        check(p, ratio(b, context), context, "retrieval context", "--grid-length");
+    }
+  if (runs(o, "long"))
+    for (const auto& p : o.long_policies)
+      for (auto b : o.long_budgets)
+        check(p, b, o.long_tokens, "long generation", "--long-budgets");
+  std::int64_t longest = 0;
+  if (runs(o, "retrieval")) longest = o.grid_length;
+  if (runs(o, "curve") && !o.lengths.empty()) longest = std::max(longest, o.lengths.back());
+  const std::int64_t window = o.text_prompt + o.text_cont;
+  for (const auto& c : corpora) {
+    const auto n = static_cast<std::int64_t>(c.ids.size());
+    KVP_REQUIRE(n > longest + 2, "corpus ", c.path, " has ", n,
+                " tokens, too few for prompts of ", longest, " tokens; lower --lengths");
+    if (runs(o, "fidelity"))
+      KVP_REQUIRE(n / window >= o.windows, "corpus ", c.path, " holds ", n / window,
+                  " windows of ", window, " tokens, fewer than --windows ", o.windows,
+                  "; lower --windows, --text-prompt or --text-cont");
+  }
+}
+
 json run(const Options& o) {
   const std::string model_path =
       o.model.empty() ? kvpolicy::engine::default_model_path() : o.model;
@@ -632,12 +742,11 @@ json run(const Options& o) {
                160.0 * static_cast<double>(o.throughput_steps);
   Progress prog(total);
 
-  // Corpora are loaded (and tokenized) on first use.
+  // The corpora (tokenized once) when a section reads them, then every check that can fail.
   std::vector<Corpus> corpora;
-  auto need_corpora = [&] {
-    if (corpora.empty())
-      for (const auto& path : corpus_paths(set)) corpora.push_back(load_corpus(m, path));
-  };
+  if (runs(o, "retrieval") || runs(o, "curve") || runs(o, "fidelity"))
+    for (const auto& path : corpus_paths(set)) corpora.push_back(load_corpus(m, path));
+  preflight(o, m, corpora);
   std::vector<GridPoint> grid;
   for (const auto& p : o.policies)
     for (double b : o.budgets) grid.push_back({p, b});
@@ -653,7 +762,6 @@ json run(const Options& o) {
     std::string section;
     if (u.kind == Unit::curve || u.kind == Unit::grid) {
       section = u.kind == Unit::grid ? "retrieval" : "curve";
-      need_corpora();
       const auto p = make_retrieval_prompt(m, corpora, set, u.task, u.length, u.index);
       const auto r = run_retrieval(m, p, u.kind == Unit::grid ? grid : std::vector<GridPoint>{},
                                    regimes, cfg, o.greedy_tokens);
@@ -663,6 +771,7 @@ json run(const Options& o) {
                   {"tokens", p.context.size() + p.question.size()},
                   {"source", p.source},
                   {"depths", p.depths},
+                  {"asked_depth", p.asked_depth},
                   {"answer", p.answer_text},
                   {"full_em", r.full.em},
                   {"full_logp", r.full.logp},
@@ -687,7 +796,6 @@ json run(const Options& o) {
                                static_cast<long long>(u.length), static_cast<long long>(u.index)));
     } else if (u.kind == Unit::fidelity) {
       section = "fidelity";
-      need_corpora();
       const auto it = std::find_if(corpora.begin(), corpora.end(),
                                    [&](const Corpus& c) { return c.path == u.task; });
       fidelity.push_back(run_fidelity_unit(m, o, *it, u.index, cfg));
@@ -753,7 +861,8 @@ json merge(const std::vector<std::string>& paths) {
     KVP_REQUIRE(j["config"] == out["config"], path,
                 ": its configuration differs from the first file's (shards must come from the "
                 "same command line)");
-    KVP_REQUIRE(j["model"]["name"] == out["model"]["name"], path, ": another model");
+    for (const char* k : {"name", "architecture", "layers", "q_heads", "kv_heads", "head_dim"})
+      KVP_REQUIRE(j["model"][k] == out["model"][k], path, ": another model (", k, " differs)");
     for (const auto& s : j["shards"]) {
       const std::string id = s.get<std::string>();
       const Shard sh = parse_shard(id);
@@ -769,9 +878,8 @@ json merge(const std::vector<std::string>& paths) {
       out["seconds"][k] = out["seconds"].value(k, 0.0) + v.get<double>();
     if (!j["throughput"].empty()) out["throughput"] = j["throughput"];
   }
-  if (static_cast<std::int64_t>(seen.size()) != count)
-    std::cerr << "merge: " << seen.size() << " of " << count
-              << " shards given; the report covers only their prompts\n";
+  KVP_REQUIRE(static_cast<std::int64_t>(seen.size()) == count, "--merge: ", seen.size(), " of ",
+              count, " shards given; a report needs all of them");
   return out;
 }
 

@@ -138,7 +138,9 @@ json em_json(const std::vector<std::uint8_t>& x) {
   const auto w = stats::wilson(k, n);
   return {{"k", k}, {"n", n}, {"rate", n ? double(k) / double(n) : 0.0}, {"ci", {w.lo, w.hi}}};
 }
+// A mean and its interval; with fewer than 2 samples there is no interval to show.
 std::string mean_cell(const stats::Estimate& e, const char* f = "%+.2f") {
+  if (e.n < 2) return fmt(f, e.mean) + " [n/a]";
   return fmt(f, e.mean) + " [" + fmt(f, e.ci.lo) + ", " + fmt(f, e.ci.hi) + "]";
 }
 json mean_json(const stats::Estimate& e) {
@@ -362,9 +364,11 @@ std::string render_report(json& results) {
     const std::int64_t bin = lr[0]["bin"];
     md += fmt("## Long generation with decode-time compression\n\n%zu prompt(s) asking for long "
               "numbered lists or step-by-step arithmetic; the full cache generates %lld tokens "
-              "in all greedily, which are teacher-forced through each policy compressing back to "
-              "its budget (tokens per KV head) while decoding: H2O at every step, the others every "
-              "%lld tokens. Intervals: bootstrap over %lld-token blocks. Start of the first "
+              "in all (sampled at temperature 0.7, fixed seed), which are teacher-forced through "
+              "each policy compressing back to its budget (tokens per KV head) while decoding: "
+              "H2O at every step, the others every %lld tokens. Intervals: bootstrap over "
+              "%lld-token blocks of the generation(s); neighbouring blocks are correlated, so "
+              "with one generation they understate the spread over prompts. Start of the first "
               "generation: \"%s\"\n\n",
               lr.size(), static_cast<long long>(gen),
               static_cast<long long>(cfg["long_interval"].get<std::int64_t>()),
@@ -423,7 +427,10 @@ std::string render_report(json& results) {
           "fidelity rows by mean KL (lower is better). Margin: best minus runner-up with the "
           "paired 95% interval (paired bootstrap over the same prompts or windows); "
           "\"separated\": the interval excludes zero. EM: the two policies' exact match and "
-          "McNemar's exact p.\n\n";
+          "McNemar's exact p. The two are picked as the top two of the same sample that tests "
+          "them and no multiplicity correction is made, so a \"yes\" near the boundary is "
+          "weaker than its interval suggests; intervals from fewer than ~20 samples (the default "
+          "run's per-task cells) are rough.\n\n";
     std::vector<std::vector<std::string>> rows;
     json out = json::array();
     for (double b : budgets) {
@@ -437,7 +444,10 @@ std::string render_report(json& results) {
           rank.push_back({m / double(it->second.dlogp.size()), p});
         }
         if (rank.size() < 2) continue;
-        std::sort(rank.begin(), rank.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+        // Ties (e.g. identical policies at a generous budget) fall back to the name.
+        std::sort(rank.begin(), rank.end(), [](const auto& x, const auto& y) {
+          return x.first != y.first ? x.first > y.first : x.second < y.second;
+        });
         const auto& A = pooled.at({r, rank[0].second, b});
         const auto& Bs = pooled.at({r, rank[1].second, b});
         const auto d = stats::paired_bootstrap(A.dlogp, Bs.dlogp, B);

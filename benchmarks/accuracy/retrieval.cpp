@@ -3,6 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -76,6 +77,7 @@ bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r' |
 struct Needle {
   std::string text;
   double depth = 0;
+  bool asked = false;  // holds the answer (multivalue: its first value)
 };
 
 // Haystack tokens of about `budget` tokens: filler units, or a window of a corpus starting at
@@ -248,7 +250,7 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
             "Find it and memorize it. I will quiz you about the important information there.";
     const std::string key = number(rng);
     needles.push_back({" The pass key is " + key + ". Remember it. " + key + " is the pass key.",
-                       draw_unit(rng)});
+                       draw_unit(rng), true});
     question = "What is the pass key? Answer with the 5-digit number only.";
     prefix = "The pass key is";
     p.answer_text = key;
@@ -263,6 +265,7 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
                          draw_unit(rng)});
     }
     const auto asked = static_cast<std::size_t>(draw(rng, 0, static_cast<std::int64_t>(keys.size()) - 1));
+    needles[asked].asked = true;
     question = "What is the special magic number for " + keys[asked] +
                " mentioned in the text? Answer with the number only.";
     prefix = "The special magic number for " + keys[asked] + " mentioned in the text is";
@@ -279,6 +282,7 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
     std::sort(asked.begin(), asked.end(),
               [](const Needle& a, const Needle& b) { return a.depth < b.depth; });
     std::vector<std::string> values;
+    asked[0].asked = true;
     for (const auto& n : asked) {
       const auto is = n.text.rfind(" is ");
       values.push_back(n.text.substr(is + 4, n.text.size() - is - 5));
@@ -305,7 +309,7 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
     if (d1 > d2) std::swap(d1, d2);
     double e1 = draw_unit(rng), e2 = draw_unit(rng);
     if (e1 > e2) std::swap(e1, e2);
-    needles.push_back({" " + x + " = " + value + ".", d1});
+    needles.push_back({" " + x + " = " + value + ".", d1, true});
     needles.push_back({" " + y + " = " + x + ".", d2});
     needles.push_back({" " + dx + " = " + other + ".", e1});
     needles.push_back({" " + dy + " = " + dx + ".", e2});
@@ -332,7 +336,10 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
   }
   const auto hay = haystack(m, corpus, needles, length - fixed, rng, p.source);
   p.context.insert(p.context.end(), hay.begin(), hay.end());
-  for (const auto& n : needles) p.depths.push_back(n.depth);
+  for (const auto& n : needles) {
+    p.depths.push_back(n.depth);
+    if (n.asked) p.asked_depth = n.depth;
+  }
   return p;
 }
 
@@ -388,11 +395,15 @@ RetrievalOutcome run_retrieval(const Model& m, const RetrievalPrompt& p,
     std::vector<std::int32_t> head = p.question;
     head.insert(head.end(), p.prefix.begin(), p.prefix.end());
     g.extend(head);
-    const auto ids = g.generate(greedy_tokens);
+    // Long enough for the whole answer (one token per digit) and the character after it.
+    const auto ids = g.generate(std::max<std::int64_t>(greedy_tokens, A + 2));
     out.full_greedy = m.tokenizer().decode(ids);
     const std::string trimmed = out.full_greedy.substr(
         std::min(out.full_greedy.find_first_not_of(" \n"), out.full_greedy.size()));
-    out.full_greedy_match = trimmed.starts_with(p.answer_text);
+    const std::size_t n = p.answer_text.size();
+    // The answer, not followed by another digit (12345 must not match 123456).
+    out.full_greedy_match = trimmed.starts_with(p.answer_text) &&
+                            (trimmed.size() == n || !std::isdigit(static_cast<unsigned char>(trimmed[n])));
   }
 
   // The forks of one regime go through one batched forward pass, in groups that bound memory.
@@ -400,6 +411,11 @@ RetrievalOutcome run_retrieval(const Model& m, const RetrievalPrompt& p,
   for (Regime r : regimes) {
     std::vector<AnswerScore> scores(grid.size());
     std::vector<double> kept(grid.size(), 0.0);
+    if (grid.empty()) {  // full-cache curve only
+      out.cells.emplace_back();
+      out.kept_fraction.emplace_back();
+      continue;
+    }
     std::unique_ptr<Engine> base;  // question-known: the full prompt, question included
     if (r == Regime::question_known) {
       base = std::make_unique<Engine>(full.fork(kFull, Budget::ratio(1.0)));
@@ -413,8 +429,12 @@ RetrievalOutcome run_retrieval(const Model& m, const RetrievalPrompt& p,
       const std::size_t g1 = std::min(grid.size(), g0 + kGroup);
       std::vector<std::unique_ptr<Engine>> forks;
       for (std::size_t i = g0; i < g1; ++i) {
+        // Decode-time policies (H2O) would evict while the question and answer go in: their
+        // interval is pushed out of reach. The others never compress after the first event
+        // (interval 0), which also keeps quantizers valid (a packed cache is compressed once).
+        const std::int64_t interval = kvpolicy::Policy(grid[i].policy).decode_time() ? kNever : 0;
         forks.push_back(std::make_unique<Engine>(
-            src.fork(grid[i].policy, Budget::ratio(grid[i].budget), kNever)));
+            src.fork(grid[i].policy, Budget::ratio(grid[i].budget), interval)));
         auto& f = *forks.back();
         f.compress_now();
         f.session().shrink_to_fit();

@@ -13,8 +13,8 @@
 //
 // Regimes:
 //   question-known     the whole prompt, question included, is prefilled with the full cache,
-//                      then compressed; the answer is decoded over the compressed cache (its
-//                      first token comes from the prefill's logits, as in any engine).
+//                      then compressed; the reply (prefix, then answer) is decoded over the
+//                      compressed cache.
 //   question-agnostic  the context (everything before the question) is prefilled and
 //                      compressed; the question and the answer are appended uncompressed, as
 //                      with prefix caching or kvpress's pipeline.
@@ -72,6 +72,8 @@ struct RetrievalPrompt {
   std::vector<std::int32_t> prefix, answer;
   std::string answer_text, source;          // source: corpus name or "filler"
   std::vector<double> depths;               // needle positions, fraction of the haystack
+  double asked_depth = 0;                   // position of the needle that holds the answer
+                                            // (multivalue: the first; vartrack: the value)
 };
 // Prompt `index` of `task` with at most `length` tokens. Throws if the length is too short.
 RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>& corpora,
