@@ -83,11 +83,11 @@ void apply_suite(Options& o) {
     o.prompts = 50;
     o.curve_prompts = 20;
     o.lengths = {512, 1024, 2048};
-    o.windows = 8;
+    o.windows = 5;
     o.text_prompt = 1024;
     o.text_cont = 64;
-    o.long_policies = {"streaming", "h2o", "snapkv", "tova", "snapkv | ams"};
-    o.long_prompts = 3;
+    o.long_policies = {"streaming", "h2o", "snapkv", "snapkv | ams"};
+    o.long_prompts = 2;
     o.long_budgets = {128, 256, 512};
     o.throughput_lengths = {4096, 8192};
     return;
