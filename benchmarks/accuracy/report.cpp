@@ -124,6 +124,13 @@ std::string cell(std::string spec) {
   return out + "`";
 }
 
+// The best policy, and those whose every sample equals its own.
+std::string best_cell(const std::string& best, const std::vector<std::string>& same) {
+  std::string out = cell(best);
+  for (const auto& s : same) out += " = " + cell(s);
+  return out;
+}
+
 std::string em_cell(const std::vector<std::uint8_t>& x) {
   std::int64_t k = 0;
   for (auto v : x) k += v;
@@ -425,7 +432,7 @@ std::string render_report(json& results) {
     md += "## Summary: the best policy per budget and regime\n\nRetrieval rows rank by the mean "
           "change of the answer log-probability over all tasks' prompts (higher is better), "
           "fidelity rows by mean KL (lower is better). Margin: best minus runner-up with the "
-          "paired 95% interval (paired bootstrap over the same prompts or windows); "
+          "paired 95% interval (paired bootstrap over the same prompts or windows; policies with results identical to the best's are listed with it, \"=\"); "
           "\"separated\": the interval excludes zero. EM: the two policies' exact match and "
           "McNemar's exact p. The two are picked as the top two of the same sample that tests "
           "them and no multiplicity correction is made, so a \"yes\" near the boundary is "
@@ -448,20 +455,29 @@ std::string render_report(json& results) {
         std::sort(rank.begin(), rank.end(), [](const auto& x, const auto& y) {
           return x.first != y.first ? x.first > y.first : x.second < y.second;
         });
+        // The runner-up is the next policy whose results differ from the best's on some prompt
+        // (a chain that selects exactly like its scorer, e.g. snapkv | pyramid here, ties).
         const auto& A = pooled.at({r, rank[0].second, b});
-        const auto& Bs = pooled.at({r, rank[1].second, b});
+        std::vector<std::string> same;
+        std::size_t next = 1;
+        while (next < rank.size() && pooled.at({r, rank[next].second, b}).dlogp == A.dlogp &&
+               pooled.at({r, rank[next].second, b}).em == A.em)
+          same.push_back(rank[next++].second);
+        if (next == rank.size()) continue;
+        const auto& Bs = pooled.at({r, rank[next].second, b});
         const auto d = stats::paired_bootstrap(A.dlogp, Bs.dlogp, B);
         const auto mc = stats::mcnemar(A.em, Bs.em);
         const bool sep = d.ci.excludes_zero();
         std::int64_t ka = 0, kb = 0;
         for (auto v : A.em) ka += v;
         for (auto v : Bs.em) kb += v;
-        rows.push_back({pct(b), regime_title(r) + " retrieval", cell(rank[0].second),
-                        cell(rank[1].second), mean_cell(d), sep ? "yes" : "no",
+        rows.push_back({pct(b), regime_title(r) + " retrieval", best_cell(rank[0].second, same),
+                        cell(rank[next].second), mean_cell(d), sep ? "yes" : "no",
                         fmt("%.0f%% vs %.0f%%, p=%.3g", 100.0 * double(ka) / double(A.em.size()),
                             100.0 * double(kb) / double(Bs.em.size()), mc.p)});
         out.push_back({{"budget", b}, {"task", "retrieval"}, {"regime", r}, {"best", rank[0].second},
-                       {"runner_up", rank[1].second}, {"margin", mean_json(d)}, {"separated", sep},
+                       {"identical", same}, {"runner_up", rank[next].second},
+                       {"margin", mean_json(d)}, {"separated", sep},
                        {"mcnemar_p", mc.p}, {"em_diff_ci", {mc.ci.lo, mc.ci.hi}}});
       }
       std::vector<std::pair<double, std::string>> rank;
@@ -472,14 +488,20 @@ std::string render_report(json& results) {
         for (double x : it->second) m += x;
         rank.push_back({m / double(it->second.size()), p});
       }
-      if (rank.size() >= 2) {
-        std::sort(rank.begin(), rank.end());
-        const auto d = stats::paired_bootstrap(fkl[{rank[0].second, b}], fkl[{rank[1].second, b}], B);
+      std::sort(rank.begin(), rank.end());
+      std::vector<std::string> same;
+      std::size_t next = 1;
+      while (next < rank.size() && fkl[{rank[next].second, b}] == fkl[{rank[0].second, b}])
+        same.push_back(rank[next++].second);
+      if (next < rank.size()) {
+        const auto d =
+            stats::paired_bootstrap(fkl[{rank[0].second, b}], fkl[{rank[next].second, b}], B);
         const bool sep = d.ci.excludes_zero();
-        rows.push_back({pct(b), "fidelity (KL)", cell(rank[0].second), cell(rank[1].second),
-                        mean_cell(d, "%+.4f"), sep ? "yes" : "no", "-"});
+        rows.push_back({pct(b), "fidelity (KL)", best_cell(rank[0].second, same),
+                        cell(rank[next].second), mean_cell(d, "%+.4f"), sep ? "yes" : "no", "-"});
         out.push_back({{"budget", b}, {"task", "fidelity"}, {"regime", "-"}, {"best", rank[0].second},
-                       {"runner_up", rank[1].second}, {"margin", mean_json(d)}, {"separated", sep}});
+                       {"identical", same}, {"runner_up", rank[next].second},
+                       {"margin", mean_json(d)}, {"separated", sep}});
       }
     }
     md += markdown_table({"budget", "measure", "best", "runner-up", "margin [95% CI]", "separated", "EM"},
