@@ -375,7 +375,7 @@ std::string render_report(json& results) {
               "each policy compressing back to its budget (tokens per KV head) while decoding: "
               "H2O at every step, the others every %lld tokens. Intervals: bootstrap over "
               "%lld-token blocks of the generation(s); neighbouring blocks are correlated, so "
-              "with one generation they understate the spread over prompts. Start of the first "
+              "with few generations they understate the spread over prompts. Start of the first "
               "generation: \"%s\"\n\n",
               lr.size(), static_cast<long long>(gen),
               static_cast<long long>(cfg["long_interval"].get<std::int64_t>()),
