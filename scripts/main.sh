@@ -13,6 +13,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR=${KVPOLICY_RELEASE_BUILD_DIR:-build-release}
 JOBS=${KVPOLICY_JOBS:-$(nproc)}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
+# Paths relative to the checkout, so a fresh clone elsewhere reuses cached objects.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
 log() { echo "main.sh: $*"; }
 
