@@ -41,6 +41,18 @@ def first_difference(a, b, path="$"):
     return None if a == b else "%s: %r != %r" % (path, a, b)
 
 
+def assert_true(cond, message):
+    if not cond:
+        raise AssertionError(message)
+
+
+def assert_same(a, b, what):
+    """Raises AssertionError (exit 1) with the first difference between a and b."""
+    d = first_difference(a, b, what)
+    if d:
+        raise AssertionError("check_merge: %s differ: %s" % (what, d))
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
@@ -48,21 +60,16 @@ def main():
         single = json.load(f)
     with open(sys.argv[2]) as f:
         merged = json.load(f)
-    if len(merged["shards"]) < 2:
-        sys.exit("check_merge: %s is not a merge of several shards" % sys.argv[2])
+    assert_true(len(merged["shards"]) >= 2,
+                "check_merge: %s is not a merge of several shards" % sys.argv[2])
     counts = {}
     for section in ("retrieval", "fidelity", "long"):
         a = sorted(single["records"][section], key=lambda r: key(section, r))
         b = sorted(merged["records"][section], key=lambda r: key(section, r))
         counts[section] = len(a)
-        d = first_difference(a, b, "records." + section)
-        if d:
-            sys.exit("check_merge: records differ: " + d)
-    d = first_difference(single["summary"], merged["summary"], "summary")
-    if d:
-        sys.exit("check_merge: summaries differ: " + d)
-    if not any(counts.values()):
-        sys.exit("check_merge: no records to compare")
+        assert_same(a, b, "records." + section)
+    assert_same(single["summary"], merged["summary"], "summary")
+    assert_true(any(counts.values()), "check_merge: no records to compare")
     print("check_merge: %d shards merged = one run (%s records, summary identical)"
           % (len(merged["shards"]), ", ".join("%d %s" % (n, s) for s, n in counts.items())))
 
