@@ -24,7 +24,8 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/kvpolicy"
         PATTERN "*.cuh"
         PATTERN "*.inl")
 
-install(TARGETS kvpolicy EXPORT kvpolicyTargets COMPONENT kvpolicy_Development)
+install(TARGETS kvpolicy kvpolicy_profile EXPORT kvpolicyTargets
+        ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development)
 # The C ABI library (kvpolicy::c).
 if(TARGET kvpolicy_c)
   install(TARGETS kvpolicy_c EXPORT kvpolicyTargets

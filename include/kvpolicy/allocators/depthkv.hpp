@@ -21,6 +21,7 @@
 //   trivially copyable value.
 #pragma once
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <span>
 #include <string>

@@ -1,0 +1,104 @@
+// The DepthKV profile reader (declared in include/kvpolicy/allocators/profile.hpp), compiled here
+// so that the header-only part of kvpolicy depends on no JSON library. nlohmann-json parses; this
+// file only checks the schema and words the errors.
+#include "kvpolicy/allocators/profile.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "kvpolicy/core/error.hpp"
+
+namespace kvpolicy {
+namespace {
+
+// Python's json module writes the non-standard tokens NaN, Infinity and -Infinity for non-finite
+// floats. Strict JSON parsers refuse them with a syntax error; quoting them outside strings lets
+// the schema check below name the layer instead ("sensitivity of layer 3 is NaN").
+std::string quote_nonfinite_tokens(const std::string& s) {
+  std::string out;
+  out.reserve(s.size() + 16);
+  bool in_string = false;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < s.size()) out += s[++i];
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    bool replaced = false;
+    for (const char* tok : {"-Infinity", "Infinity", "NaN"}) {
+      const std::string t(tok);
+      if (s.compare(i, t.size(), t) == 0) {
+        out += '"' + t + '"';
+        i += t.size() - 1;
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+LayerProfile parse_layer_profile(const std::string& text, const std::string& where) {
+  const auto check = [&](bool ok, const std::string& what) {
+    KVP_REQUIRE(ok, "depthkv: profile '", where, "': ", what);
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(quote_nonfinite_tokens(text));
+  } catch (const nlohmann::json::parse_error& e) {
+    check(false, std::string("not valid JSON: ") + e.what());
+  }
+  check(j.is_object(), "the top level must be a JSON object");
+  LayerProfile p;
+  for (const char* key : {"model", "scorer"}) {
+    const auto it = j.find(key);
+    if (it != j.end() && it->is_string()) (key[0] == 'm' ? p.model : p.scorer) = it->get<std::string>();
+  }
+  const auto sens = j.find("sensitivity");
+  check(sens != j.end(), "no \"sensitivity\" array");
+  check(sens->is_array(), "\"sensitivity\" must be an array of numbers");
+  check(!sens->empty(), "\"sensitivity\" lists no layers");
+  for (std::size_t l = 0; l < sens->size(); ++l) {
+    const auto& v = (*sens)[l];
+    const std::string layer = "sensitivity of layer " + std::to_string(l);
+    if (v.is_string()) {
+      const auto s = v.get<std::string>();
+      check(s != "NaN", layer + " is NaN");
+      check(s != "Infinity" && s != "-Infinity", layer + " is infinite");
+    }
+    check(v.is_number(), "\"sensitivity\" expects numbers; " + layer + " is " + v.dump());
+    const double x = v.get<double>();
+    check(std::isfinite(x), layer + " is infinite");
+    check(x >= 0, layer + " is negative (" + std::to_string(x) + ")");
+    p.sensitivity.push_back(x);
+  }
+  if (const auto layers = j.find("layers"); layers != j.end()) {
+    check(layers->is_number_integer() && layers->get<std::int64_t>() >= 0,
+          "\"layers\" must be a non-negative integer, got " + layers->dump());
+    check(layers->get<std::int64_t>() == static_cast<std::int64_t>(p.sensitivity.size()),
+          "\"layers\" is " + layers->dump() + " but \"sensitivity\" lists " +
+              std::to_string(p.sensitivity.size()) + " values (missing layers)");
+  }
+  return p;
+}
+
+LayerProfile load_layer_profile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KVP_REQUIRE(f.good(), "depthkv: cannot open profile '", path, "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  KVP_REQUIRE(!f.bad(), "depthkv: cannot read profile '", path, "'");
+  return parse_layer_profile(ss.str(), path);
+}
+
+}  // namespace kvpolicy
