@@ -15,6 +15,8 @@
 #include <iostream>
 #include <sstream>
 
+#include <CLI/CLI.hpp>
+
 #include "report.hpp"
 #include "tasks.hpp"
 
@@ -31,71 +33,40 @@ struct Options {
   int threads = 0;
 };
 
-const char* kUsage = R"(usage: kvpolicy_calibrate [options]
-
-Measures how much compressing each layer alone hurts (mean KL of next-token distributions
-against the full cache on teacher-forced text) and writes a DepthKV profile.
-
-  --model PATH          GGUF model (default: the bundled SmolLM2-135M-Instruct)
-  --scorer SPEC         policy used to compress one layer (default snapkv)
-  --budget R            kept fraction of the prompt in that layer (default 0.2)
-  --texts A,B           calibration texts (default LGPL-2.1 and GFDL-1.3 from
-                        /usr/share/common-licenses; the accuracy benchmark uses others)
-  --prompt N            prompt tokens per text (default 1024)
-  --continuation N      teacher-forced tokens per text (default 64)
-  --threads N           OpenMP threads (default: all cores)
-  --out FILE            profile to write (default depthkv_profile.json)
-)";
-
+// Parses the command line (CLI11; --help lists every option with its default).
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto val = [&]() -> std::string {
-      KVP_REQUIRE(i + 1 < argc, a, " needs a value (see --help)");
-      return argv[++i];
-    };
-    auto num = [&](const std::string& s) {
-      std::size_t used = 0;
-      double v = 0;
-      try {
-        v = std::stod(s, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      KVP_REQUIRE(used == s.size() && !s.empty(), a, ": '", s, "' is not a number");
-      return v;
-    };
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (a == "--model") {
-      o.model = val();
-    } else if (a == "--scorer") {
-      o.scorer = val();
-    } else if (a == "--budget") {
-      o.budget = num(val());
-      KVP_REQUIRE(o.budget > 0 && o.budget < 1, "--budget must be in (0, 1) (got ", o.budget, ")");
-    } else if (a == "--texts") {
-      o.texts.clear();
-      std::istringstream in(val());
-      for (std::string t; std::getline(in, t, ',');)
-        if (!t.empty()) o.texts.push_back(t);
-      KVP_REQUIRE(!o.texts.empty(), "--texts: empty list");
-    } else if (a == "--prompt") {
-      o.prompt = static_cast<std::int64_t>(num(val()));
-      KVP_REQUIRE(o.prompt > 0, "--prompt must be positive");
-    } else if (a == "--continuation") {
-      o.continuation = static_cast<std::int64_t>(num(val()));
-      KVP_REQUIRE(o.continuation > 0, "--continuation must be positive");
-    } else if (a == "--threads") {
-      o.threads = static_cast<int>(num(val()));
-    } else if (a == "--out") {
-      o.out = val();
-    } else {
-      KVP_REQUIRE(false, "unknown argument '", a, "' (see --help)");
-    }
+  CLI::App app(
+      "Measures how much compressing each layer alone hurts (mean KL of next-token "
+      "distributions against the full cache on teacher-forced text) and writes a DepthKV "
+      "profile, read by depthkv(profile=FILE).",
+      "kvpolicy_calibrate");
+  app.get_formatter()->column_width(28);
+  app.add_option("--model", o.model, "GGUF model (default: the bundled SmolLM2-135M-Instruct)");
+  app.add_option("--scorer", o.scorer, "policy used to compress one layer")->capture_default_str();
+  app.add_option("--budget", o.budget, "kept fraction of the prompt in that layer, in (0, 1)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--texts", o.texts,
+                 "calibration texts, comma-separated (default LGPL-2.1 and GFDL-1.3 from "
+                 "/usr/share/common-licenses; the accuracy benchmark's prompts use other texts)")
+      ->delimiter(',')
+      ->check(CLI::ExistingFile);
+  app.add_option("--prompt", o.prompt, "prompt tokens per text")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--continuation", o.continuation, "teacher-forced tokens per text")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", o.threads, "OpenMP threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--out", o.out, "profile to write")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
+  KVP_REQUIRE(o.budget > 0 && o.budget < 1, "--budget must be in (0, 1) (got ", o.budget, ")");
   return o;
 }
 
