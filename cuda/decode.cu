@@ -16,7 +16,7 @@
 namespace kvpolicy::cuda {
 namespace {
 
-namespace dm = kvpolicy::cuda::decode;
+namespace dm = kvpolicy::cuda::decode_math;
 
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const __half* p) { return __half2float(*p); }

@@ -15,7 +15,7 @@
 namespace kvpolicy::cuda {
 namespace {
 
-namespace dm = kvpolicy::cuda::decode;
+namespace dm = kvpolicy::cuda::decode_math;
 namespace q = kvpolicy::quant;
 
 __device__ __forceinline__ float query_at(const TensorView& v, std::int64_t h, std::int64_t t,

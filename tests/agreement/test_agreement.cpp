@@ -25,6 +25,10 @@
 #include "agreement/storage.hpp"
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_agreement {
+
 using namespace kvpolicy;
 using Catch::Matchers::Contains;
 
@@ -460,3 +464,5 @@ TEST_CASE("CUDA per-token state compaction equals cpu::compact_state", "[agreeme
   }
 #endif
 }
+
+}  // namespace kvt_agreement_agreement

@@ -19,6 +19,10 @@
 
 #include "agreement/gpu_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_ams_rows {
+
 using namespace kvpolicy;
 
 namespace {
@@ -195,3 +199,5 @@ TEST_CASE("cuda::ams_segment_quotas equals ams::segments and ams::quotas", "[agr
   CHECK(checked > 0);
 #endif
 }
+
+}  // namespace kvt_agreement_ams_rows

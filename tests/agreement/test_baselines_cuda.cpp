@@ -32,6 +32,10 @@
 #include "common/error_of.hpp"
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_baselines_cuda {
+
 using namespace kvpolicy;
 namespace bm = kvpolicy::cuda::baseline;
 
@@ -576,3 +580,5 @@ TEST_CASE("CUDA pyramid | adakv on the device equals the CPU chain", "[agreement
   }
 #endif
 }
+
+}  // namespace kvt_agreement_baselines_cuda

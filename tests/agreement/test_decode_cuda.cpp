@@ -30,8 +30,12 @@
 #include "agreement/gpu_util.hpp"
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_decode_cuda {
+
 using namespace kvpolicy;
-namespace dm = kvpolicy::cuda::decode;
+namespace dm = kvpolicy::cuda::decode_math;
 
 namespace {
 
@@ -567,3 +571,5 @@ TEST_CASE("packed decode attention: CUDA kernels match quant::packed_attention",
   }
 }
 #endif
+
+}  // namespace kvt_agreement_decode_cuda

@@ -24,6 +24,10 @@
 #include "agreement/gpu_util.hpp"
 #include "mergers/merge_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_merge {
+
 using namespace kvpolicy;
 using mtest::Cache;
 
@@ -499,3 +503,5 @@ TEST_CASE("merge agreement: the CUDA entry points reject bad arguments before an
   WARN("CUDA half skipped: built without CUDA (KVPOLICY_WITH_CUDA undefined)");
 #endif
 }
+
+}  // namespace kvt_agreement_merge

@@ -22,6 +22,10 @@
 
 #include "agreement/gpu_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_paged {
+
 using namespace kvpolicy;
 
 namespace {
@@ -520,3 +524,5 @@ TEST_CASE("cuda::paged_compact_rows rejects bad arguments before any device work
                     Catch::Matchers::Contains("selection"));
 #endif
 }
+
+}  // namespace kvt_agreement_paged

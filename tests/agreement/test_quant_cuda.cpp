@@ -23,6 +23,10 @@
 
 #include "agreement/gpu_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_quant_cuda {
+
 using namespace kvpolicy;
 namespace q = kvpolicy::quant;
 
@@ -368,3 +372,5 @@ TEST_CASE("quant cuda: split-KV online-softmax merge equals one softmax pass", "
   WARN("split-KV merge: worst |out - ref| = " << worst);
   CHECK(worst > 0.0);  // fp32 is not exact: the comparison really ran
 }
+
+}  // namespace kvt_agreement_quant_cuda

@@ -26,6 +26,10 @@
 #include "agreement/storage.hpp"
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_agreement_window_attention {
+
 using namespace kvpolicy;
 namespace sm = kvpolicy::cuda::scoring;
 
@@ -619,3 +623,5 @@ TEST_CASE("CUDA scoring wrappers reject bad arguments before touching the device
   CHECK_THROWS_WITH(cuda::score(be, h, with_state, out), Contains("observed-query counts"));
 }
 #endif
+
+}  // namespace kvt_agreement_window_attention

@@ -8,6 +8,10 @@
 #include "allocators/alloc_util.hpp"
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_allocators_adakv {
+
 using namespace kvpolicy;
 using alloc_test::context;
 using Catch::Contains;
@@ -176,3 +180,5 @@ TEST_CASE("adakv: spec parameters and chain order", "[allocators][adakv][spec]")
                            .select(cpu_backend{1}, c.inputs(), Budget::tokens(8))),
                       Contains("allocator 'pyramid' cannot follow 'adakv'"));
 }
+
+}  // namespace kvt_allocators_adakv

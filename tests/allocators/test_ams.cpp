@@ -8,6 +8,10 @@
 #include "allocators/alloc_util.hpp"
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_allocators_ams {
+
 using namespace kvpolicy;
 using alloc_test::context;
 using ams::Segment;
@@ -344,3 +348,5 @@ TEST_CASE("ams: spec parameters", "[allocators][ams][spec]") {
   REQUIRE_THROWS_WITH(bad("lambda=abc"), Contains("'lambda' expects a number"));
   REQUIRE_THROWS_WITH(bad("segments=3"), Contains("unknown parameter 'segments'"));
 }
+
+}  // namespace kvt_allocators_ams

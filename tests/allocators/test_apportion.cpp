@@ -5,6 +5,10 @@
 
 #include "allocators/alloc_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_allocators_apportion {
+
 using namespace kvpolicy;
 using Catch::Contains;
 
@@ -76,3 +80,5 @@ TEST_CASE("water_fill: clipped shares are redistributed in proportion", "[alloca
   CHECK(y[0] == Approx(10));
   CHECK(y[1] == Approx(50));
 }
+
+}  // namespace kvt_allocators_apportion

@@ -9,6 +9,10 @@
 #include "allocators/alloc_util.hpp"
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_allocators_chains {
+
 using namespace kvpolicy;
 using Catch::Contains;
 
@@ -107,3 +111,5 @@ TEST_CASE("allocators: bad event descriptions are rejected", "[allocators][chain
   REQUIRE_THROWS_WITH(p.select(cpu_backend{1}, c.inputs(), Budget::tokens(20), ev),
                       Contains("alloc_state_stride 10 is below the 40 tokens"));
 }
+
+}  // namespace kvt_allocators_chains

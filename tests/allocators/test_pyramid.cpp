@@ -7,6 +7,10 @@
 #include "allocators/alloc_util.hpp"
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_allocators_pyramid {
+
 using namespace kvpolicy;
 using alloc_test::context;
 using Catch::Contains;
@@ -181,3 +185,5 @@ TEST_CASE("pyramid: spec parameters", "[allocators][pyramid][spec]") {
   REQUIRE_THROWS_WITH(Policy("snapkv | pyramid(steep=2)"),
                       Contains("unknown parameter 'steep'") && Contains("beta"));
 }
+
+}  // namespace kvt_allocators_pyramid

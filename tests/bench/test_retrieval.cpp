@@ -13,6 +13,10 @@
 #include "engine/engine_test_util.hpp"
 #include "retrieval.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_bench_retrieval {
+
 namespace {
 
 using kvbench::Corpus;
@@ -189,3 +193,5 @@ TEST_CASE("run_retrieval: budget 1.0 equals the full cache in both regimes, evic
   CHECK(p.depths[0] < 0.85);
   CHECK(r.cells[1][2].logp < r.full.logp - 1.0);
 }
+
+}  // namespace kvt_bench_retrieval

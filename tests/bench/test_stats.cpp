@@ -13,6 +13,10 @@
 
 #include "stats.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_bench_stats {
+
 namespace st = kvbench::stats;
 
 namespace {
@@ -387,3 +391,5 @@ TEST_CASE("paired_bootstrap works on the differences and rejects unequal sizes",
   const std::vector<double> shorter(199, 0.0);
   CHECK_THROWS_AS(st::paired_bootstrap(a, shorter), std::invalid_argument);
 }
+
+}  // namespace kvt_bench_stats

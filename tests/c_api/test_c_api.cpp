@@ -14,6 +14,10 @@
 #include "kvpolicy/policy.hpp"
 #include "kvpolicy/session.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_c_api_c_api {
+
 using namespace kvpolicy;
 using ctest::make;
 using ctest::mentions;
@@ -586,3 +590,5 @@ TEST_CASE("C ABI: CUDA entry points without a usable device", "[c_api]") {
   CHECK(kvp_cuda_compact(&t, &out, nullptr, 0, nullptr) != KVP_OK);
   CHECK(kvp_cuda_compact(nullptr, nullptr, nullptr, 0, nullptr) != KVP_OK);
 }
+
+}  // namespace kvt_c_api_c_api

@@ -14,6 +14,10 @@
 #include "kvpolicy/c/kvpolicy.h"
 #include "kvpolicy/paged.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_c_api_c_paged {
+
 using namespace kvpolicy;
 using ctest::make;
 using ctest::mentions;
@@ -226,3 +230,5 @@ TEST_CASE("C ABI: kvp_compress_paged rejects bad input before writing", "[c_api]
   kvp_policy_destroy(merge);
   kvp_policy_destroy(p);
 }
+
+}  // namespace kvt_c_api_c_paged

@@ -10,6 +10,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_core_budget {
+
 using kvpolicy::Budget;
 using Catch::Matchers::Contains;
 
@@ -83,3 +87,5 @@ TEST_CASE("Budget rejects negative, NaN, infinite and >1-ratio budgets with mess
   CHECK_NOTHROW(Budget::tokens(0).validate());
   CHECK_NOTHROW(Budget::tokens(std::int64_t{1} << 40).validate());
 }
+
+}  // namespace kvt_core_budget

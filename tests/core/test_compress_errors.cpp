@@ -14,6 +14,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_core_compress_errors {
+
 using kvpolicy::Budget;
 using kvpolicy::KVView;
 using Catch::Matchers::Contains;
@@ -159,3 +163,5 @@ TEMPLATE_TEST_CASE("compress: bad input raises an error naming it and modifies n
     CHECK(kvtest::bytes_of(f.k) != k0);
   }
 }
+
+}  // namespace kvt_core_compress_errors

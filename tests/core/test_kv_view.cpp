@@ -10,6 +10,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_core_kv_view {
+
 using kvpolicy::KVView;
 using Catch::Matchers::Contains;
 
@@ -199,3 +203,5 @@ TEMPLATE_TEST_CASE("require_finite names the non-finite element", "[core]", floa
                     Contains("values contains a non-finite value (-inf)") &&
                         Contains("layer 0, head 1, token 0, dim 2"));
 }
+
+}  // namespace kvt_core_kv_view

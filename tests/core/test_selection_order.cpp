@@ -9,6 +9,10 @@
 #include <kvpolicy/core/selection.hpp>
 #include <kvpolicy/core/topk_key.hpp>
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_core_selection_order {
+
 using Catch::Matchers::Contains;
 
 TEST_CASE("orderable_bits is monotone, merges -0/+0 and puts NaN lowest", "[core]") {
@@ -56,3 +60,5 @@ TEST_CASE("Selection validate rejects out-of-range and unsorted lists", "[core]"
   sel.kept(0, 1) = {5, 3};
   CHECK_THROWS_AS(sel.validate(10), kvpolicy::Error);
 }
+
+}  // namespace kvt_core_selection_order

@@ -19,6 +19,10 @@
 #include "engine/engine.hpp"
 #include "engine_test_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_engine_engine {
+
 namespace eng = kvpolicy::engine;
 using kvp_engine_test::golden;
 using kvp_engine_test::golden_dir;
@@ -395,3 +399,5 @@ TEST_CASE("engine: merger and quantizer stages run through the Session", "[engin
     }
   }
 }
+
+}  // namespace kvt_engine_engine

@@ -9,6 +9,10 @@
 #include "engine_test_util.hpp"
 #include "kvpolicy/core/error.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_engine_ggml_types {
+
 namespace eng = kvpolicy::engine;
 using Catch::Matchers::Contains;
 
@@ -145,3 +149,5 @@ TEST_CASE("ggml: dequantize rejects bad sizes and unsupported types", "[engine][
   CHECK(eng::ggml_type_name(3) == "Q4_1");
   CHECK(eng::ggml_type_name(5) == "type 5");
 }
+
+}  // namespace kvt_engine_ggml_types

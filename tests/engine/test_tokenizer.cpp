@@ -9,6 +9,10 @@
 #include "engine_test_util.hpp"
 #include "kvpolicy/core/error.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_engine_tokenizer {
+
 namespace eng = kvpolicy::engine;
 using Catch::Matchers::Contains;
 
@@ -108,3 +112,5 @@ TEST_CASE("tokenizer: SmolLM2 chat template matches Hugging Face's", "[engine][t
   const std::string own = tok.apply_chat_template({{"system", "Be brief."}, {"user", "Hi"}}, false);
   CHECK(own == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
+
+}  // namespace kvt_engine_tokenizer

@@ -3,6 +3,10 @@
 #include "mergers/merge_util.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_mergers_nearest {
+
 using namespace kvpolicy;
 using Catch::Contains;
 using mtest::Cache;
@@ -136,3 +140,5 @@ TEST_CASE("nearest: counts are conserved on random caches and arguments are chec
   a.values.tokens = 3;
   CHECK_THROWS_WITH(Nearest{}.merge(cpu_backend{1}, a), Contains("nearest: values [1,1,3,2]"));
 }
+
+}  // namespace kvt_mergers_nearest

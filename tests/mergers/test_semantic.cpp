@@ -8,6 +8,10 @@
 #include "mergers/merge_util.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_mergers_semantic {
+
 using namespace kvpolicy;
 using Catch::Contains;
 using mtest::Cache;
@@ -390,3 +394,5 @@ TEST_CASE("semantic: bad parameters and arguments are rejected with clear errors
                     Contains("log_count -0.5 at layer 0, head 1, token 7"));
   CHECK(kvtest::bytes_of(bad.k) == kvtest::bytes_of(c.k));
 }
+
+}  // namespace kvt_mergers_semantic

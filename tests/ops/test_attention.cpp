@@ -10,6 +10,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_attention {
+
 using kvpolicy::KVView;
 using Catch::Matchers::Contains;
 
@@ -197,3 +201,5 @@ TEST_CASE("attention rejects bad arguments with messages", "[ops]") {
   CHECK_THROWS_WITH(kvpolicy::cpu::attention(be, K, K, KVView<const float>::hnd(q.data(), 1, 2, 2, 4), args, out.data()),
                     Contains("lengths are required"));
 }
+
+}  // namespace kvt_ops_attention

@@ -12,6 +12,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_compact {
+
 using kvpolicy::KVView;
 using kvpolicy::Selection;
 using Catch::Matchers::Contains;
@@ -183,3 +187,5 @@ TEMPLATE_TEST_CASE("compact: a bad selection throws and modifies no buffer", "[o
   kvpolicy::cpu::compact(kvpolicy::cpu_backend{2}, view, good());
   CHECK(kvtest::bytes_of(buf) != before);
 }
+
+}  // namespace kvt_ops_compact

@@ -17,6 +17,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_determinism {
+
 using kvpolicy::cpu_backend;
 using kvpolicy::KVView;
 
@@ -109,3 +113,5 @@ TEST_CASE("parallel_for: items run single-threaded, errors reach the caller", "[
                     "item 3");
   CHECK(done == std::vector<int>{1, 1, 1, 0, 1, 1});  // the other items still ran
 }
+
+}  // namespace kvt_ops_determinism

@@ -6,6 +6,10 @@
 
 #include <kvpolicy/cpu/pooling.hpp>
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_pooling {
+
 using kvpolicy::Pool;
 using Catch::Matchers::Contains;
 
@@ -66,3 +70,5 @@ TEST_CASE("pooling rejects even or non-positive kernels and aliasing", "[ops]") 
   CHECK_THROWS_WITH(kvpolicy::cpu::pool1d(x.data(), x.data(), 4, 3, Pool::avg),
                     Contains("must not alias"));
 }
+
+}  // namespace kvt_ops_pooling

@@ -11,6 +11,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_select {
+
 using kvpolicy::Protect;
 using Catch::Matchers::Contains;
 
@@ -148,3 +152,5 @@ TEST_CASE("select over a ScoreMap: per-row budgets and validation", "[ops]") {
   CHECK_THROWS_WITH(kvpolicy::cpu::select(kvpolicy::cpu_backend{2}, scores, low, {1, 2}, sel),
                     Contains("budget of 2 tokens is below the 3 protected tokens"));
 }
+
+}  // namespace kvt_ops_select

@@ -8,6 +8,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_ops_window_attention {
+
 using kvpolicy::GqaReduce;
 using kvpolicy::KVView;
 using Catch::Matchers::Contains;
@@ -112,3 +116,5 @@ TEST_CASE("window_attention rejects bad shapes with messages", "[ops]") {
                         be, keys, KVView<const float>::hnd(q.data(), 1, 4, 5, 4), GqaReduce::mean, out),
                     Contains("query head_dim 4 != key head_dim 8"));
 }
+
+}  // namespace kvt_ops_window_attention

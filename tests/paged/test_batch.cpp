@@ -8,6 +8,10 @@
 
 #include "paged/paged_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_paged_batch {
+
 using namespace pagedtest;
 using kvpolicy::Budget;
 using kvpolicy::DenseSequence;
@@ -243,3 +247,5 @@ TEST_CASE("compress_paged_batch checks every request before writing", "[batch]")
   batch.pool.k = k0;
   CHECK(untouched());
 }
+
+}  // namespace kvt_paged_batch

@@ -11,6 +11,10 @@
 
 #include "paged/paged_util.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_paged_paged {
+
 using namespace pagedtest;
 using kvpolicy::Budget;
 using kvpolicy::half;
@@ -316,3 +320,5 @@ TEST_CASE("compress_paged rejects bad input before writing", "[paged]") {
   CHECK(same_bytes(pool.k, k0));
   CHECK(same_bytes(pool.v, v0));
 }
+
+}  // namespace kvt_paged_paged

@@ -10,6 +10,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_quant_hadamard {
+
 using Catch::Matchers::Contains;
 namespace q = kvpolicy::quant;
 
@@ -82,3 +86,5 @@ TEST_CASE("hadamard rejects sizes that are not powers of two", "[quant]") {
   CHECK(q::is_power_of_two(256));
   CHECK_FALSE(q::is_power_of_two(-4));
 }
+
+}  // namespace kvt_quant_hadamard

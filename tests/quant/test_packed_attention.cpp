@@ -14,6 +14,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_quant_packed_attention {
+
 using Catch::Matchers::Contains;
 using kvpolicy::KVView;
 namespace q = kvpolicy::quant;
@@ -316,3 +320,5 @@ TEST_CASE("packed attention and PackedCache reject bad arguments with messages",
   CHECK(c.size() == 1);  // the tokens before the bad one were appended
   CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
 }
+
+}  // namespace kvt_quant_packed_attention

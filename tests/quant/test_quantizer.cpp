@@ -12,6 +12,10 @@
 
 #include "common/random.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_quant_quantizer {
+
 using Catch::Matchers::Contains;
 using kvpolicy::KVView;
 namespace q = kvpolicy::quant;
@@ -343,3 +347,5 @@ TEST_CASE("quantizers reject bad arguments with messages", "[quant]") {
   x[7] = NAN;
   CHECK_THROWS_WITH(q::Int2{}.encode(V64, big), Contains("non-finite"));
 }
+
+}  // namespace kvt_quant_quantizer

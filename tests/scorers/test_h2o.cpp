@@ -5,6 +5,10 @@
 
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_h2o {
+
 using namespace kvpolicy;
 using H2OPipeline = Pipeline<H2O, Uniform>;
 
@@ -176,3 +180,5 @@ TEMPLATE_TEST_CASE("h2o matches the naive reference", "[scorers][h2o]", float, E
   }
   naive::require_few_near_ties(tally);
 }
+
+}  // namespace kvt_scorers_h2o

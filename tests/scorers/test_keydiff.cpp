@@ -1,6 +1,10 @@
 // KeyDiff: score -cos(k_j, mean of normalized keys), hand-checked and against the naive reference.
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_keydiff {
+
 using namespace kvpolicy;
 
 TEST_CASE("keydiff: hand-computed cosines and ties", "[scorers][keydiff]") {
@@ -38,3 +42,5 @@ TEMPLATE_TEST_CASE("keydiff matches the naive reference", "[scorers][keydiff]", 
   }
   naive::require_few_near_ties(tally);
 }
+
+}  // namespace kvt_scorers_keydiff

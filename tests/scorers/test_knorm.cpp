@@ -1,6 +1,10 @@
 // KNorm: score -||k_j||, hand-checked (with the recency tie rule) and against the naive reference.
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_knorm {
+
 using namespace kvpolicy;
 
 TEST_CASE("knorm: hand-computed norms and ties", "[scorers][knorm]") {
@@ -37,3 +41,5 @@ TEMPLATE_TEST_CASE("knorm matches the naive reference", "[scorers][knorm]", floa
   }
   naive::require_few_near_ties(tally);
 }
+
+}  // namespace kvt_scorers_knorm

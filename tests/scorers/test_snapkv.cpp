@@ -5,6 +5,10 @@
 
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_snapkv {
+
 using namespace kvpolicy;
 
 namespace {
@@ -184,3 +188,5 @@ TEMPLATE_TEST_CASE("snapkv matches the naive reference", "[scorers][snapkv]", fl
   }
   naive::require_few_near_ties(tally);
 }
+
+}  // namespace kvt_scorers_snapkv

@@ -2,6 +2,10 @@
 // kvpolicy::Error with a message that names the problem.
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_spec {
+
 using namespace kvpolicy;
 
 TEST_CASE("policy specs that parse", "[scorers][spec]") {
@@ -89,3 +93,5 @@ TEST_CASE("budgets below the protected tokens are errors", "[scorers][spec]") {
   const Selection sel = Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(8));
   CHECK(sel.kept(0, 1).front() == 12);
 }
+
+}  // namespace kvt_scorers_spec

@@ -3,6 +3,10 @@
 
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_streaming {
+
 using namespace kvpolicy;
 
 TEST_CASE("streaming: sinks and the newest tokens", "[scorers][streaming]") {
@@ -49,3 +53,5 @@ TEMPLATE_TEST_CASE("streaming matches the naive reference", "[scorers][streaming
   }
   REQUIRE(tally.near_tie_rows == 0);
 }
+
+}  // namespace kvt_scorers_streaming

@@ -4,6 +4,10 @@
 
 #include "scorers/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_scorers_tova {
+
 using namespace kvpolicy;
 
 TEST_CASE("tova: hand-computed last-query attention shared by the KV heads", "[scorers][tova]") {
@@ -54,3 +58,5 @@ TEMPLATE_TEST_CASE("tova matches the naive reference", "[scorers][tova]", float,
   }
   naive::require_few_near_ties(tally);
 }
+
+}  // namespace kvt_scorers_tova

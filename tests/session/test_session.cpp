@@ -16,6 +16,10 @@
 #include "common/random.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_session_session {
+
 using kvpolicy::Budget;
 using kvpolicy::KVView;
 using kvpolicy::Session;
@@ -772,3 +776,5 @@ TEST_CASE("Session: decode-time compressions keep the per-head budgets the alloc
     }
   CHECK(compressions == kLayers * (S - prompt) / 4);
 }
+
+}  // namespace kvt_session_session

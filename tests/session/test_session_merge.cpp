@@ -11,6 +11,10 @@
 
 #include "session/layer_tokens.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_session_session_merge {
+
 using kvpolicy::Budget;
 using kvpolicy::KVView;
 using kvpolicy::Policy;
@@ -162,3 +166,5 @@ TEST_CASE("Session merge: the delimiter mask is compacted with the cache", "[ses
   CHECK_THROWS_WITH(s.append(0, t.K(0, 2), t.V(0, 2), t.Q(0, 2), std::vector<std::uint8_t>(3)),
                     Contains("3 delimiter flags for 2 tokens"));
 }
+
+}  // namespace kvt_session_session_merge

@@ -10,6 +10,10 @@
 #include "session/layer_tokens.hpp"
 #include "ops/naive.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_session_session_quant {
+
 using kvpolicy::Budget;
 using kvpolicy::KVView;
 using kvpolicy::Policy;
@@ -129,3 +133,5 @@ TEST_CASE("Session quantizer: what a packed cache cannot do is rejected", "[sess
   CHECK_THROWS_WITH(full.fork(Policy("snapkv(window=32) | int2"), Budget::ratio(0.5), 4),
                     Contains("decode_interval > 0"));
 }
+
+}  // namespace kvt_session_session_quant

@@ -26,7 +26,7 @@
 #include "kvpolicy/quant/hadamard.hpp"
 #include "kvpolicy/quant/split_merge.hpp"
 
-namespace kvpolicy::cuda::decode {
+namespace kvpolicy::cuda::decode_math {
 
 using quant::dev::SoftmaxPart;
 
@@ -211,4 +211,4 @@ KVP_HD inline void key_stats(const Workspace& w, std::int64_t h, std::int64_t j,
       if (j < visible_keys(len, nq, i, causal)) observed[j] += 1.0f;
 }
 
-}  // namespace kvpolicy::cuda::decode
+}  // namespace kvpolicy::cuda::decode_math
