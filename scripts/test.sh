@@ -48,6 +48,7 @@ fi
 
 failed=()
 summary=()
+not_run=()
 # stage NAME CMD...: runs one step, records its time; a failure is recorded, not fatal.
 stage() {
   local name=$1 t=$SECONDS rc=0
@@ -108,9 +109,19 @@ if stage asan-configure cmake -S . -B "$ASAN_DIR" "${common[@]}" -DKVPOLICY_CUDA
     -j "$JOBS" -LE 'packaging|compile_fail' || true
 fi
 
+# 4. ThreadSanitizer: a small executable (the stress test and the C ABI), not the whole suite.
+if command -v "${CXX_TSAN:-clang++}" >/dev/null 2>&1; then
+  stage tsan bash scripts/tsan.sh || true
+else
+  log "=== tsan NOT RUN: ${CXX_TSAN:-clang++} not found (scripts/tsan.sh needs clang)"
+  not_run+=("tsan")
+fi
+
 total=$((SECONDS - T0))
+skipped=""
+((${#not_run[@]})) && skipped=" | NOT RUN: ${not_run[*]}"
 if ((${#failed[@]})); then
-  log "FAILED: ${failed[*]} | $(IFS=,; echo "${summary[*]}") | total ${total}s"
+  log "FAILED: ${failed[*]} | $(IFS=,; echo "${summary[*]}")${skipped} | total ${total}s"
   exit 1
 fi
-log "PASSED | $(IFS=,; echo "${summary[*]}") | total ${total}s"
+log "PASSED | $(IFS=,; echo "${summary[*]}")${skipped} | total ${total}s"

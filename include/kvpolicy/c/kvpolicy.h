@@ -7,7 +7,15 @@
  *   caller buffer has been modified unless the function says otherwise.
  * - Handles (kvp_policy, kvp_session) are opaque and created from spec strings such as
  *   "snapkv(window=32) | adakv" (see README: policies and parameters). kvp_*_destroy(NULL) is a
- *   no-op. A handle may be used by one thread at a time; different handles are independent.
+ *   no-op.
+ * - Threads: kvp_last_error() is per thread. A kvp_session is used by one thread at a time;
+ *   sessions are independent of each other. A kvp_policy is only read by the calls that take it
+ *   as const (kvp_compress, kvp_compress_batch, kvp_compress_paged, kvp_session_create,
+ *   kvp_policy_clone, kvp_policy_get_info): threads may share one in those calls at the same
+ *   time; kvp_policy_reset and kvp_policy_destroy need it to themselves. A plug-in scorer's state
+ *   is shared by its policy, the sessions made from it and clones without a clone callback: its
+ *   callbacks must be thread-safe if those run on several threads, or each thread takes a
+ *   kvp_policy_clone of its own.
  * - All buffers are the caller's. Tensors are strided views (kvp_tensor, strides in elements)
  *   over host memory; the kvp_cuda_* functions take device pointers and a cudaStream_t passed
  *   as void*.
@@ -129,7 +137,8 @@ typedef struct kvp_scorer_plugin {
   const char* (*name)(const void* state);
   /* Fill args->scores; return 0 on success, anything else fails the call with
    * KVP_ERROR_PLUGIN (kvp_plugin_set_error() adds a message). Called on the thread that called
-   * kvp_compress / kvp_session_*, never concurrently for one policy handle. */
+   * kvp_compress / kvp_session_* (never on a library worker thread); calls overlap only when
+   * threads share the plug-in's state (see Conventions: Threads). */
   int (*score)(void* state, const kvp_score_args* args);
   /* A new sequence starts (kvp_policy_reset, kvp_session_create). */
   void (*reset)(void* state);
