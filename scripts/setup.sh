@@ -8,6 +8,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build ccache       # toolchain
   libeigen3-dev libxtensor-dev xtl-dev           # dense math, N-d containers
   catch2 libbenchmark-dev                        # tests, micro-benchmarks
+  clang libclang-rt-14-dev libomp-14-dev         # fuzz.sh (libFuzzer), tsan.sh (TSan, libomp + Archer)
   nlohmann-json3-dev libcli11-dev zlib1g-dev     # accuracy benchmark: JSON, command line, .gz
   # Real-text corpora of the accuracy benchmark (benchmarks/accuracy/retrieval.hpp): evaluation
   # haystacks and fidelity windows come from the first four (and base-files' GPL-3),

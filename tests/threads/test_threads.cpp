@@ -25,6 +25,10 @@
 #include "common/random_kv.hpp"
 #include "kvpolicy/c/kvpolicy.h"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_threads_threads {
+
 using kvpolicy::Budget;
 using kvpolicy::KVView;
 using kvpolicy::Policy;
@@ -632,3 +636,5 @@ TEST_CASE("Threads: concurrent C ABI calls keep each thread's kvp_last_error and
   }
   kvp_policy_destroy(shared);
 }
+
+}  // namespace kvt_threads_threads
