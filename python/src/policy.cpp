@@ -31,7 +31,7 @@ struct Call {
 
 Call arrays_of(const py::handle& keys, const py::handle& values, const py::handle& queries,
                const py::handle& accumulated, const py::handle& observed) {
-  Call c{as_array(keys, "keys"), {}, {}, {}};
+  Call c{as_array(keys, "keys"), {}, {}, {}, {}};
   if (!values.is_none()) c.values = as_array(values, "values");
   if (!queries.is_none()) c.queries = as_array(queries, "queries");
   if (!accumulated.is_none()) c.accumulated = as_array(accumulated, "accumulated");
