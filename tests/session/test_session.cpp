@@ -7,6 +7,7 @@
 #include <limits>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -642,6 +643,49 @@ TEST_CASE("Session: a budget above the prompt lets H2O grow to it before evictin
       s.compress_if_due(l);
       CHECK(s.length(l, 0) == std::min<std::int64_t>(t + 1, 20));
     }
+}
+
+TEST_CASE("Session: a total budget or decode target above the prompt is not clamped to it",
+          "[session]") {
+  // Regression (found by the soak, tests/session/test_soak.cpp): total(n) budgets and decode
+  // targets were resolved against the prompt length and so clamped to it. A short prompt then
+  // fixed targets of a few tokens instead of n / heads (unlike tokens(n), which lets the cache
+  // grow to the budget), and with a policy that protects more tokens than that, every
+  // decode-time compression threw "budget of 6 tokens per head is below the 8 tokens snapkv
+  // protects".
+  const std::int64_t P = 6, S = 40, B = 12;
+  const Sequence<float> seq(S, 5);
+  struct Case {
+    Budget budget;
+    std::optional<Budget> target;
+  };
+  for (const Case& c : {Case{Budget::tokens(B), std::nullopt}, Case{Budget::total(kHkv * B), std::nullopt},
+                        Case{Budget::ratio(1.0), Budget::total(kHkv * B)}}) {
+    SessionConfig cfg = config(c.budget);
+    cfg.decode_interval = 2;
+    cfg.decode_target = c.target;
+    Session<float> s(kvpolicy::Policy("snapkv(window=8)"), cfg);  // protects 8 tokens > P
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P));
+      REQUIRE(s.compress_if_due(l));  // keeps the whole prompt
+      CHECK(s.length(l, 0) == P);
+    }
+    const std::int64_t prefill_target = c.target ? P : B;
+    CHECK(std::vector<std::int64_t>(s.budgets(0).begin(), s.budgets(0).end()) ==
+          std::vector<std::int64_t>(kHkv, prefill_target));
+    for (std::int64_t t = P; t < S; ++t)
+      for (std::int64_t l = 0; l < kLayers; ++l) {
+        s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+        REQUIRE_NOTHROW(s.compress_if_due(l));
+        for (std::int64_t h = 0; h < kHkv; ++h) {
+          CHECK(s.length(l, h) < B + 2);  // [target, target + interval) once grown to it
+          CHECK(s.length(l, h) >= std::min<std::int64_t>(t + 1, B));
+          CHECK(s.positions(l, h).back() == t);
+        }
+      }
+    CHECK(std::vector<std::int64_t>(s.budgets(1).begin(), s.budgets(1).end()) ==
+          std::vector<std::int64_t>(kHkv, B));
+  }
 }
 
 TEST_CASE("Session carries AMS credit across compression events, compacted with its tokens",
