@@ -272,7 +272,7 @@ class Session {
     const std::int64_t H = cfg_.kv_heads, d = cfg_.head_dim;
     const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
     const bool ragged = *std::min_element(L.lengths.begin(), L.lengths.end()) != len;
-    if (L.budgets.empty() && len == 0) return Selection(1, H);  // ratio of nothing
+    if (len == 0) return Selection(1, H);  // nothing cached (and a ratio of nothing at first)
     // Fixed only once the selection succeeded: a failed first compression (budget below the
     // protected count) must leave the layer as it was, still due.
     std::vector<std::int64_t> budgets = L.budgets;
@@ -281,7 +281,9 @@ class Session {
     in.keys = keys(layer).prefix(len);
     in.values = values(layer).prefix(len);
     const std::int64_t pw = policy_.query_window();
-    const std::int64_t nq = pw < 0 ? L.q_count : std::min(L.q_count, pw);
+    // The newest queries of the window, at most one per cached token: a policy may read more
+    // queries than it protects tokens (ams), and takes no more queries than keys.
+    const std::int64_t nq = std::min(pw < 0 ? L.q_count : std::min(L.q_count, pw), len);
     std::vector<T> qbuf;
     if (window_ > 0 && nq > 0) {
       // The ring holds the newest q_count queries ending at q_next; unroll the newest nq of
@@ -349,12 +351,18 @@ class Session {
       for (std::int64_t h = 0; h < H; ++h) {
         const auto hs = static_cast<std::size_t>(h);
         const std::int64_t n = L.lengths[hs];
+        if (n == 0) {  // an empty head (a target of 0 and nothing appended since): keeps nothing
+          one_sel[hs] = Selection(1, 1);
+          continue;
+        }
         Inputs<T> one = in;
         one.keys = head_view(in.keys, h, n);
         one.values = head_view(in.values, h, n);
-        if (in.queries.data) {
-          one.queries.data = in.queries.row(0, h * g, 0);
+        if (in.queries.data) {  // the head's query group, its newest n queries at most
+          const std::int64_t m = std::min(in.queries.tokens, n);
+          one.queries.data = in.queries.row(0, h * g, in.queries.tokens - m);
           one.queries.heads = g;
+          one.queries.tokens = m;
         }
         one.accumulated = in.accumulated + h * L.capacity;
         one.observed = in.observed + h * L.capacity;
