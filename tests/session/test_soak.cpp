@@ -28,6 +28,10 @@
 
 #include "session/soak_tracked.hpp"
 
+// Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
+// compile several files as one translation unit.
+namespace kvt_session_soak {
+
 namespace {
 
 using namespace kvtest::soak;
@@ -505,3 +509,5 @@ TEST_CASE("Session soak: random appends, policies and compressions keep every in
   CHECK(c.credit_checks > 0);
   CHECK(c.acc_checks > 0);
 }
+
+}  // namespace kvt_session_soak
