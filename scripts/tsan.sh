@@ -4,7 +4,8 @@
 # Build: clang++ -fsanitize=thread, only what the test needs, into build-tsan/ (a generated
 #   build.ninja: incremental, compiles through ccache when present): tests/main.cpp (the Catch2
 #   runner, left uninstrumented: it runs on the main thread only), the test file and the C ABI
-#   (src/c/*.cpp), linked into build-tsan/kvpolicy_tsan_threads. The same test file is part of
+#   (src/c/*.cpp) and the DepthKV profile reader (src/profile/profile.cpp), linked into
+#   build-tsan/kvpolicy_tsan_threads. The same test file is part of
 #   kvpolicy_tests in the normal and ASan builds; nothing is duplicated.
 # OpenMP: GCC's libgomp is not TSan-aware (its barriers look like races), so this build uses
 #   LLVM's libomp (clang -fopenmp) with Archer, the OMPT tool shipped next to it (libarcher.so,
@@ -98,7 +99,8 @@ build c_api.o: cxx $ROOT/src/c/c_api.cpp
   extra = \$cabi
 build c_paged.o: cxx $ROOT/src/c/c_paged.cpp
   extra = \$cabi
-build kvpolicy_tsan_threads: link main.o test_threads.o c_api.o c_paged.o
+build profile.o: cxx $ROOT/src/profile/profile.cpp
+build kvpolicy_tsan_threads: link main.o test_threads.o c_api.o c_paged.o profile.o
 default kvpolicy_tsan_threads
 EOF
 if ! cmp -s "$BUILD_DIR/build.ninja.tmp" "$BUILD_DIR/build.ninja"; then

@@ -40,8 +40,10 @@ namespace kvpolicy {
 
 struct SessionConfig {
   std::int64_t layers = 0, kv_heads = 0, q_heads = 0, head_dim = 0;
-  // Tokens kept per KV head after prefill compression (ratio of the prefill length, or tokens).
-  // Decode-time policies evict back to the same per-head count after every step.
+  // Tokens kept per KV head after prefill compression (ratio of the prefill length, tokens per
+  // head, or a total over a layer's heads; tokens and totals above the prompt length are not
+  // clamped to it: the cache grows to them before evicting). Decode-time policies evict back to
+  // the same per-head count after every step.
   Budget budget = Budget::ratio(1.0);
   std::int64_t initial_capacity = 256;  // tokens; storage grows by doubling
   cpu_backend backend{};
@@ -55,11 +57,11 @@ struct SessionConfig {
   // been appended since a layer's last compression, every head of it longer than its target is
   // compressed back to exactly the target (so the cache oscillates between target and
   // target + interval). 0: the policy's default, which is every token for decode-time
-  // policies (H2O) and never for the others. Targets: `decode_target` resolved against the
-  // prompt length (Budget::tokens(n) per head, Budget::total(n) over a layer's heads,
-  // Budget::ratio(r) of the prompt); unset: what the prefill compression kept per head (or
-  // its per-head budget where it kept everything). Statistics are not recomputed: H2O sums
-  // and recorded queries carry over and are compacted with the tokens.
+  // policies (H2O) and never for the others. Targets: `decode_target` per head
+  // (Budget::tokens(n): n; Budget::total(n): n split over a layer's heads, neither clamped to
+  // the prompt; Budget::ratio(r): round(r * prompt length)); unset: what the prefill
+  // compression kept per head (or its per-head budget where it kept everything). Statistics are
+  // not recomputed: H2O sums and recorded queries carry over and are compacted with the tokens.
   std::int64_t decode_interval = 0;
   std::optional<Budget> decode_target;
 };
@@ -244,11 +246,7 @@ class Session {
     const std::int64_t interval = decode_interval();
     if (interval == 0 || L.since < interval) return false;
     if (cfg_.decode_target && !L.decode_targets_set) {
-      const Budget& b = *cfg_.decode_target;
-      L.budgets = b.kind() == Budget::Kind::per_head
-                      ? std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.kv_heads),
-                                                  static_cast<std::int64_t>(b.value()))
-                      : b.resolve(1, cfg_.kv_heads, L.prompt_length);
+      L.budgets = head_budgets(*cfg_.decode_target, L.prompt_length);
       L.decode_targets_set = true;
     }
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
@@ -274,20 +272,18 @@ class Session {
     const std::int64_t H = cfg_.kv_heads, d = cfg_.head_dim;
     const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
     const bool ragged = *std::min_element(L.lengths.begin(), L.lengths.end()) != len;
-    if (L.budgets.empty() && len == 0) return Selection(1, H);  // ratio of nothing
+    if (len == 0) return Selection(1, H);  // nothing cached (and a ratio of nothing at first)
     // Fixed only once the selection succeeded: a failed first compression (budget below the
     // protected count) must leave the layer as it was, still due.
     std::vector<std::int64_t> budgets = L.budgets;
-    if (budgets.empty())
-      budgets = cfg_.budget.kind() == Budget::Kind::per_head
-                    ? std::vector<std::int64_t>(static_cast<std::size_t>(H),
-                                                static_cast<std::int64_t>(cfg_.budget.value()))
-                    : cfg_.budget.resolve(1, H, len);
+    if (budgets.empty()) budgets = head_budgets(cfg_.budget, len);
     Inputs<T> in;
     in.keys = keys(layer).prefix(len);
     in.values = values(layer).prefix(len);
     const std::int64_t pw = policy_.query_window();
-    const std::int64_t nq = pw < 0 ? L.q_count : std::min(L.q_count, pw);
+    // The newest queries of the window, at most one per cached token: a policy may read more
+    // queries than it protects tokens (ams), and takes no more queries than keys.
+    const std::int64_t nq = std::min(pw < 0 ? L.q_count : std::min(L.q_count, pw), len);
     std::vector<T> qbuf;
     if (window_ > 0 && nq > 0) {
       // The ring holds the newest q_count queries ending at q_next; unroll the newest nq of
@@ -355,12 +351,18 @@ class Session {
       for (std::int64_t h = 0; h < H; ++h) {
         const auto hs = static_cast<std::size_t>(h);
         const std::int64_t n = L.lengths[hs];
+        if (n == 0) {  // an empty head (a target of 0 and nothing appended since): keeps nothing
+          one_sel[hs] = Selection(1, 1);
+          continue;
+        }
         Inputs<T> one = in;
         one.keys = head_view(in.keys, h, n);
         one.values = head_view(in.values, h, n);
-        if (in.queries.data) {
-          one.queries.data = in.queries.row(0, h * g, 0);
+        if (in.queries.data) {  // the head's query group, its newest n queries at most
+          const std::int64_t m = std::min(in.queries.tokens, n);
+          one.queries.data = in.queries.row(0, h * g, in.queries.tokens - m);
           one.queries.heads = g;
+          one.queries.tokens = m;
         }
         one.accumulated = in.accumulated + h * L.capacity;
         one.observed = in.observed + h * L.capacity;
@@ -521,6 +523,24 @@ class Session {
   }
 
   static bool quantized(const Layer& L) { return !L.packed.empty(); }
+
+  // Per-head token counts of `b` for a layer whose prompt has `prompt` tokens: tokens(n) is n per
+  // head and total(n) splits n over the heads (Budget::resolve's rule); neither is clamped to
+  // the prompt, so a budget above it lets the cache grow to it before evicting (a clamped target
+  // could also fall below the tokens the policy protects, and every decode-time compression
+  // would throw). ratio(r) is round(r * prompt) per head.
+  std::vector<std::int64_t> head_budgets(const Budget& b, std::int64_t prompt) const {
+    const std::int64_t H = cfg_.kv_heads, n = static_cast<std::int64_t>(b.value());
+    switch (b.kind()) {
+      case Budget::Kind::per_head:
+        return std::vector<std::int64_t>(static_cast<std::size_t>(H), n);
+      case Budget::Kind::total:
+        return b.resolve(1, H, n);  // H rows of n tokens hold all n: no clamping
+      case Budget::Kind::ratio:
+        break;
+    }
+    return b.resolve(1, H, prompt);
+  }
 
   // What a quantizer stage requires of the session: a head_dim its format supports, and no
   // compression or statistics after the cache is packed.

@@ -132,7 +132,7 @@ void cpu_encode_tile(const cuda::QuantFormat& f, bool keys, const float* x, int 
 }
 
 // Whole rows [rows][tokens][d], packed as cuda::quant_encode lays them out.
-std::vector<std::byte> cpu_encode_rows(const cuda::QuantFormat& f, bool keys, const std::vector<float>& x,
+[[maybe_unused]] std::vector<std::byte> cpu_encode_rows(const cuda::QuantFormat& f, bool keys, const std::vector<float>& x,
                                        std::int64_t rows, std::int64_t tokens, int d) {
   const std::size_t rb = cuda::quant_row_bytes(f, keys, tokens, d), tb = cuda::quant_row_bytes(f, keys, f.group, d);
   std::vector<std::byte> out(static_cast<std::size_t>(rows) * rb, std::byte{0xAB});

@@ -7,6 +7,7 @@
 #include <limits>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -646,6 +647,106 @@ TEST_CASE("Session: a budget above the prompt lets H2O grow to it before evictin
       s.compress_if_due(l);
       CHECK(s.length(l, 0) == std::min<std::int64_t>(t + 1, 20));
     }
+}
+
+TEST_CASE("Session: a total budget or decode target above the prompt is not clamped to it",
+          "[session]") {
+  // Regression (found by the soak, tests/session/test_soak.cpp): total(n) budgets and decode
+  // targets were resolved against the prompt length and so clamped to it. A short prompt then
+  // fixed targets of a few tokens instead of n / heads (unlike tokens(n), which lets the cache
+  // grow to the budget), and with a policy that protects more tokens than that, every
+  // decode-time compression threw "budget of 6 tokens per head is below the 8 tokens snapkv
+  // protects".
+  const std::int64_t P = 6, S = 40, B = 12;
+  const Sequence<float> seq(S, 5);
+  struct Case {
+    Budget budget;
+    std::optional<Budget> target;
+  };
+  for (const Case& c : {Case{Budget::tokens(B), std::nullopt}, Case{Budget::total(kHkv * B), std::nullopt},
+                        Case{Budget::ratio(1.0), Budget::total(kHkv * B)}}) {
+    SessionConfig cfg = config(c.budget);
+    cfg.decode_interval = 2;
+    cfg.decode_target = c.target;
+    Session<float> s(kvpolicy::Policy("snapkv(window=8)"), cfg);  // protects 8 tokens > P
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P));
+      REQUIRE(s.compress_if_due(l));  // keeps the whole prompt
+      CHECK(s.length(l, 0) == P);
+    }
+    const std::int64_t prefill_target = c.target ? P : B;
+    CHECK(std::vector<std::int64_t>(s.budgets(0).begin(), s.budgets(0).end()) ==
+          std::vector<std::int64_t>(kHkv, prefill_target));
+    for (std::int64_t t = P; t < S; ++t)
+      for (std::int64_t l = 0; l < kLayers; ++l) {
+        s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+        REQUIRE_NOTHROW(s.compress_if_due(l));
+        for (std::int64_t h = 0; h < kHkv; ++h) {
+          CHECK(s.length(l, h) < B + 2);  // [target, target + interval) once grown to it
+          CHECK(s.length(l, h) >= std::min<std::int64_t>(t + 1, B));
+          CHECK(s.positions(l, h).back() == t);
+        }
+      }
+    CHECK(std::vector<std::int64_t>(s.budgets(1).begin(), s.budgets(1).end()) ==
+          std::vector<std::int64_t>(kHkv, B));
+  }
+}
+
+TEST_CASE("Session: decode-time events on heads shorter than the query window", "[session]") {
+  // Regression (found by the soak): compress() handed the policy every query of its window even
+  // when a head held fewer tokens, and the policy rejected them ("8 queries for only 6 keys").
+  // AMS reads a window of queries that it does not protect, so with a decode target below the
+  // window the first decode-time event threw. The newest queries, at most one per cached token
+  // of the head, are passed now.
+  const std::int64_t P = 30, S = 45;
+  const Sequence<float> seq(S, 9);
+  struct Case {
+    const char* spec;
+    std::int64_t record_queries;
+    Budget budget;
+    std::vector<std::int64_t> kept;  // per head
+  };
+  const char* ams = "snapkv(window=2) | ams(window=8,sinks=0,keep_last=2,min_seg_len=1)";
+  for (const Case& c : {Case{ams, 0, Budget::tokens(5), {5, 5}},
+                        Case{ams, 12, Budget::total(11), {6, 5}}}) {  // ragged: per-head events
+    INFO(c.spec << " " << c.record_queries);
+    SessionConfig cfg = config(c.budget);
+    cfg.record_queries = c.record_queries;
+    cfg.decode_interval = 1;
+    Session<float> s(kvpolicy::Policy(c.spec), cfg);
+    std::vector<float> out(static_cast<std::size_t>(kHq * P * kD));
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, 0, P), seq.V(l, 0, P), seq.Q(l, 0, P));
+      s.attend(l, seq.Q(l, 0, P), out.data());
+      REQUIRE(s.compress_if_due(l));
+    }
+    for (std::int64_t t = P; t < S; ++t)
+      for (std::int64_t l = 0; l < kLayers; ++l) {
+        s.append(l, seq.K(l, t, 1), seq.V(l, t, 1), seq.Q(l, t, 1));
+        s.attend(l, seq.Q(l, t, 1), out.data());
+        REQUIRE_NOTHROW(s.compress_if_due(l));
+        for (std::int64_t h = 0; h < kHkv; ++h) {
+          CHECK(s.length(l, h) == c.kept[static_cast<std::size_t>(h)]);
+          CHECK(s.positions(l, h).back() == t);  // the newest token is protected
+        }
+      }
+  }
+}
+
+TEST_CASE("Session: compress() of empty heads with a policy that reads queries", "[session]") {
+  // Budget 0 (nothing protected) empties heads; an explicit compress() then handed the policy
+  // its window of queries over zero keys and threw. It keeps nothing instead.
+  const Sequence<float> seq(12, 4);
+  const char* spec = "keydiff | ams(window=4,sinks=0,keep_last=0,min_seg_len=1,min_keep=0)";
+  for (const Budget b : {Budget::tokens(0), Budget::total(1)}) {  // total(1): heads keep 1 and 0
+    Session<float> s(kvpolicy::Policy(spec), config(b));
+    s.append(0, seq.K(0, 0, 10), seq.V(0, 0, 10), seq.Q(0, 0, 10));
+    REQUIRE(s.compress_if_due(0));
+    CHECK(s.length(0, 1) == 0);
+    REQUIRE_NOTHROW(s.compress(0));
+    CHECK(s.length(0, 0) == (b.kind() == Budget::Kind::total ? 1 : 0));
+    CHECK(s.length(0, 1) == 0);
+  }
 }
 
 TEST_CASE("Session carries AMS credit across compression events, compacted with its tokens",
