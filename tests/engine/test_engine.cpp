@@ -13,11 +13,10 @@
 // at every position" cannot pass by tolerance alone.
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <xtensor/xarray.hpp>
-#include <xtensor/xnpy.hpp>
 
 #include "engine/engine.hpp"
 #include "engine_test_util.hpp"
+#include "npy.hpp"
 
 // Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
 // compile several files as one translation unit.
@@ -43,7 +42,7 @@ eng::EngineConfig one_thread(std::string policy = "streaming") {
 }
 
 xt::xarray<float> npy(const std::string& name) {
-  return xt::load_npy<float>((golden_dir() / name).string());
+  return kvp_engine_test::load_npy_f32((golden_dir() / name).string());
 }
 
 std::vector<std::int32_t> prompt_ids(const std::string& name) {
