@@ -878,4 +878,30 @@ TEST_CASE("Session: decode-time compressions keep the per-head budgets the alloc
   CHECK(compressions == kLayers * (S - prompt) / 4);
 }
 
+TEST_CASE("Session: token budgets up to INT64_MAX keep everything (fuzz_spec regression)",
+          "[session]") {
+  // Found by fuzz_spec: a per-head budget of 2^62 on two heads overflowed the event's total
+  // (undefined behaviour); tokens(INT64_MAX) is stored as the double 2^63, whose conversion
+  // back overflowed; total(n) split over the heads overflowed n * heads.
+  Sequence<float> seq(6, 11);
+  const std::int64_t big = std::int64_t{1} << 62, max = std::numeric_limits<std::int64_t>::max();
+  for (const Budget b : {Budget::tokens(big), Budget::tokens(max), Budget::total(big),
+                         Budget::total(max)}) {
+    INFO("budget " << b.count() << (b.kind() == Budget::Kind::total ? " in total" : " per head"));
+    SessionConfig c = config(b);
+    c.decode_interval = 1;
+    c.decode_target = b;
+    Session<float> s(kvpolicy::Policy("knorm"), c);
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, 0, 5), seq.V(l, 0, 5), seq.Q(l, 0, 5));
+      CHECK(s.compress_if_due(l));
+      s.append(l, seq.K(l, 5, 1), seq.V(l, 5, 1), seq.Q(l, 5, 1));
+      CHECK_FALSE(s.compress_if_due(l));  // nothing to evict below the budget
+      for (std::int64_t h = 0; h < kHkv; ++h) CHECK(s.length(l, h) == 6);
+      const std::int64_t per_head = b.kind() == Budget::Kind::total ? b.count() / kHkv : b.count();
+      CHECK(s.budgets(l)[1] == per_head);
+    }
+  }
+}
+
 }  // namespace kvt_session_session
