@@ -179,4 +179,14 @@ TEST_CASE("depthkv: spec parameters", "[allocators][depthkv][spec]") {
                       Contains("unknown parameter 'floor'"));
 }
 
+TEST_CASE("depthkv: a sensitivity above the float range is rejected (fuzz_profile regression)",
+          "[allocators][depthkv][spec]") {
+  // Found by fuzz_profile: 8.4e205 is a finite double, accepted, then held as an infinite float.
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:1e300)"),
+                      Contains("sensitivity of layer 1 (1e+300) is above the float range"));
+  const auto p = kvpolicy::parse_layer_profile(R"({"sensitivity": [0.5, 8.4e205]})", "p.json");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(p, "p.json"), Contains("above the float range"));
+  CHECK(DepthKV::from_values(std::vector<double>{3.4e38, 1e-50}, "w").sensitivity[0] == 3.4e38f);
+}
+
 }  // namespace kvt_allocators_depthkv
