@@ -88,6 +88,18 @@ class Session {
     if (cfg.decode_target) cfg.decode_target->validate();
     check_quantizer(policy_, cfg_, "session");
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg.record_queries});
+    // Each buffer's size is a product of these; one that overflows could never be allocated
+    // and would wrap around to a small size.
+    const auto sz = [](std::size_t n) { return static_cast<std::int64_t>(n); };
+    using detail::product_fits;
+    KVP_REQUIRE(product_fits({cfg.layers, sz(sizeof(Layer))}) &&
+                    product_fits({cfg.kv_heads, cfg.initial_capacity, cfg.head_dim, sz(sizeof(T))}) &&
+                    product_fits({cfg.q_heads, std::max<std::int64_t>(window_, 1), cfg.head_dim,
+                                  sz(sizeof(T))}),
+                "session: layers ", cfg.layers, ", kv_heads ", cfg.kv_heads, ", q_heads ",
+                cfg.q_heads, ", head_dim ", cfg.head_dim, ", initial_capacity ",
+                cfg.initial_capacity, " and a query window of ", window_,
+                " need buffers larger than the address space");
     layers_.resize(static_cast<std::size_t>(cfg.layers));
     for (auto& L : layers_) {
       L.lengths.assign(static_cast<std::size_t>(cfg.kv_heads), 0);

@@ -904,4 +904,22 @@ TEST_CASE("Session: token budgets up to INT64_MAX keep everything (fuzz_spec reg
   }
 }
 
+TEST_CASE("Session rejects shapes whose buffers overflow the address space (fuzz_c_api regression)",
+          "[session]") {
+  // Found by fuzz_c_api: kv_heads * initial_capacity * head_dim (and q_heads * query window *
+  // head_dim) overflowed int64 while sizing the buffers.
+  SessionConfig c = config(Budget::ratio(0.5), std::int64_t{1} << 62);
+  CHECK_THAT(error_of([&] { Session<float>(kvpolicy::Policy("knorm"), c); }),
+             Contains("need buffers larger than the address space"));
+  c.initial_capacity = 8;
+  c.head_dim = std::numeric_limits<std::int64_t>::max();
+  CHECK_THAT(error_of([&] { Session<float>(kvpolicy::Policy("knorm"), c); }),
+             Contains("need buffers larger than the address space"));
+  CHECK_THAT(error_of([&] {
+               Session<float>(kvpolicy::Policy("snapkv(window=4611686018427387904)"),
+                              config(Budget::ratio(0.5)));
+             }),
+             Contains("a query window of 4611686018427387904 need buffers larger"));
+}
+
 }  // namespace kvt_session_session

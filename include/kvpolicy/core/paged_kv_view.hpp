@@ -68,6 +68,7 @@ void validate(const PagedKVView<T>& v, std::string_view what) {
               ", heads=", v.heads, ", page_size=", v.page_size, ", dim=", v.dim, ")");
   KVP_REQUIRE(v.page_size > 0, what, ": page_size must be >= 1");
   const std::int64_t ext[5] = {v.layers, v.num_blocks, v.heads, v.page_size, v.dim};
+  detail::require_addressable(ext, sizeof(T), what);
   const std::int64_t str[5] = {v.stride_layer, v.stride_block, v.stride_head, v.stride_token,
                                v.stride_dim};
   const char* const names[5] = {"layer", "block", "head", "token", "dim"};
