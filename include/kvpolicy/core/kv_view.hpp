@@ -141,6 +141,8 @@ void validate(const KVView<T>& v, std::string_view what) {
 // score meaningless and selection non-deterministic).
 template <class T>
 void require_finite(const KVView<T>& v, std::string_view what) {
+  // An empty view may have huge other extents (validate() accepts [2^40][1][0][d]): no loop.
+  if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
   for (std::int64_t l = 0; l < v.layers; ++l)
     for (std::int64_t h = 0; h < v.heads; ++h)
       for (std::int64_t t = 0; t < v.tokens; ++t)

@@ -119,6 +119,7 @@ inline void validate(const PagedSequence& s, std::int64_t page_size, std::int64_
 // for a dense view; the token in the message is the logical position).
 template <class T>
 void require_finite(const PagedKVView<T>& v, const PagedSequence& s, std::string_view what) {
+  if (v.layers == 0 || v.heads == 0 || s.length == 0 || v.dim == 0) return;  // see KVView's
   for (std::int64_t l = 0; l < v.layers; ++l)
     for (std::int64_t h = 0; h < v.heads; ++h)
       for (std::int64_t t = 0; t < s.length; ++t) {
