@@ -186,6 +186,13 @@ int pick_dtype(Ctx& c, int hint) {
   }
 }
 
+// Products of extents for strides, saturating at INT64_MAX: a session's fuzzed shape may be huge,
+// and such a descriptor is then passed without data (see back()).
+std::int64_t sat_mul(std::int64_t a, std::int64_t b) {
+  const __int128 p = static_cast<__int128>(a) * b;
+  return p > INT64_MAX ? INT64_MAX : p < INT64_MIN ? INT64_MIN : static_cast<std::int64_t>(p);
+}
+
 // A dense [l][h][t][d] descriptor: HND, NHD, permuted with padding, or with fuzzed fields.
 kvp_tensor make_tensor(Ctx& c, std::int64_t l, std::int64_t h, std::int64_t t, std::int64_t d,
                        int dtype_hint, bool allow_nonfinite = true) {
@@ -199,7 +206,7 @@ kvp_tensor make_tensor(Ctx& c, std::int64_t l, std::int64_t h, std::int64_t t, s
       return x;
     case 1:
     case 2: {  // NHD
-      str[0] = t * h * d, str[1] = d, str[2] = h * d, str[3] = 1;
+      str[0] = sat_mul(sat_mul(t, h), d), str[1] = d, str[2] = sat_mul(h, d), str[3] = 1;
       break;
     }
     case 3: {  // dims in a fuzzed order, each padded
@@ -209,7 +216,8 @@ kvp_tensor make_tensor(Ctx& c, std::int64_t l, std::int64_t h, std::int64_t t, s
       std::int64_t span = 1;
       for (int k = 3; k >= 0; --k) {
         str[order[k]] = span;
-        span *= ext[order[k]] + fdp.ConsumeIntegralInRange<std::int64_t>(0, 2);
+        const std::int64_t pad = fdp.ConsumeIntegralInRange<std::int64_t>(0, 2);
+        span = sat_mul(span, ext[order[k]] > INT64_MAX - pad ? INT64_MAX : ext[order[k]] + pad);
         span = std::max<std::int64_t>(span, 1);
       }
       break;
@@ -220,7 +228,7 @@ kvp_tensor make_tensor(Ctx& c, std::int64_t l, std::int64_t h, std::int64_t t, s
       break;
     }
     default:  // HND
-      str[0] = h * t * d, str[1] = t * d, str[2] = d, str[3] = 1;
+      str[0] = sat_mul(sat_mul(h, t), d), str[1] = sat_mul(t, d), str[2] = d, str[3] = 1;
   }
   set_enum(x.dtype, dtype);
   x.layers = ext[0], x.heads = ext[1], x.tokens = ext[2], x.dim = ext[3];
