@@ -12,10 +12,10 @@
   fuzz_tokenizer  flags byte + text: words, digits, contractions, whitespace runs, ChatML markup,
                   Unicode letters and numbers, invalid UTF-8; and vocabularies from the input
 
-fuzz_c_api's seeds are binary call sequences that only the harness's decoder gives a meaning to:
-they are a corpus minimized from earlier runs (`fuzz_c_api -merge=1 fuzz/seeds/fuzz_c_api
-<corpus>`), not written here. Files named regress-* in any folder are inputs that found a bug;
-this script leaves them alone.
+fuzz_c_api's seeds are binary call sequences that only the harness's decoder gives a meaning to,
+so they are not written here: calls_* are the 150 largest inputs of a corpus that earlier runs
+grew and `fuzz_c_api -merge=1` minimized (they reach about 80% of its coverage edges). Files
+named regress-* in any folder are inputs that found a bug; this script leaves them alone.
 
   python fuzz/make_seeds.py [target ...]     (default: all but fuzz_gguf, which needs gguf-py)
 """
