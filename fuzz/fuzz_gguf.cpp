@@ -14,6 +14,7 @@
 #include "engine/gguf.hpp"
 #include "engine/model.hpp"
 #include "engine/tokenizer.hpp"
+#include "fuzz_common.hpp"
 #include "kvpolicy/core/error.hpp"
 
 namespace eng = kvpolicy::engine;

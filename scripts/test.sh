@@ -5,11 +5,13 @@
 #   3. the Python package: pip install into .venv (build dir build-python/), then pytest
 #   4. ASan + UBSan build (RelWithDebInfo, CPU only) in build-asan/ and the ctests except the
 #      slow, sanitizer-neutral ones (labels packaging, compile_fail)
+#   5. ThreadSanitizer (scripts/tsan.sh) and fuzzing, every libFuzzer target for 30 s
+#      (scripts/fuzz.sh, build-fuzz/); both need clang and are reported NOT RUN without it
 # Build directories persist and ccache is used, so re-runs are incremental. Exits non-zero if
 # any step fails; the last line is a summary.
 # Environment: KVPOLICY_BUILD_DIR, KVPOLICY_ASAN_BUILD_DIR (build directories), KVPOLICY_JOBS
 # (default: nproc), KVPOLICY_ASAN_OPT_FLAGS (default "-O1 -g1 -DNDEBUG"), CCACHE_DIR (default:
-# $HOME/.cache/ccache).
+# $HOME/.cache/ccache), KVPOLICY_FUZZ_SECONDS (per fuzz target, default 30).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -145,6 +147,16 @@ if command -v "${CXX_TSAN:-clang++}" >/dev/null 2>&1; then
 else
   log "=== tsan NOT RUN: ${CXX_TSAN:-clang++} not found (scripts/tsan.sh needs clang)"
   not_run+=("tsan")
+fi
+
+# 5. Fuzzing: each libFuzzer target on a copy of its seeds (fuzz/seeds/), a clang build of the
+# fuzz targets' sources only, with ccache.
+if command -v "${CXX_FUZZ:-clang++}" >/dev/null 2>&1; then
+  stage fuzz env CXX="${CXX_FUZZ:-clang++}" bash scripts/fuzz.sh "${KVPOLICY_FUZZ_SECONDS:-30}" ||
+    true
+else
+  log "=== fuzz NOT RUN: ${CXX_FUZZ:-clang++} not found (scripts/fuzz.sh needs clang)"
+  not_run+=("fuzz")
 fi
 
 total=$((SECONDS - T0))

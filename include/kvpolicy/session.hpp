@@ -26,7 +26,6 @@
 // keys()/values() are unavailable for a quantized layer (packed() gives its caches).
 #pragma once
 #include <algorithm>
-#include <numeric>
 #include <optional>
 #include <span>
 #include <vector>
@@ -89,6 +88,18 @@ class Session {
     if (cfg.decode_target) cfg.decode_target->validate();
     check_quantizer(policy_, cfg_, "session");
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg.record_queries});
+    // Each buffer's size is a product of these; one that overflows could never be allocated
+    // and would wrap around to a small size.
+    const auto sz = [](std::size_t n) { return static_cast<std::int64_t>(n); };
+    using detail::product_fits;
+    KVP_REQUIRE(product_fits({cfg.layers, sz(sizeof(Layer))}) &&
+                    product_fits({cfg.kv_heads, cfg.initial_capacity, cfg.head_dim, sz(sizeof(T))}) &&
+                    product_fits({cfg.q_heads, std::max<std::int64_t>(window_, 1), cfg.head_dim,
+                                  sz(sizeof(T))}),
+                "session: layers ", cfg.layers, ", kv_heads ", cfg.kv_heads, ", q_heads ",
+                cfg.q_heads, ", head_dim ", cfg.head_dim, ", initial_capacity ",
+                cfg.initial_capacity, " and a query window of ", window_,
+                " need buffers larger than the address space");
     layers_.resize(static_cast<std::size_t>(cfg.layers));
     for (auto& L : layers_) {
       L.lengths.assign(static_cast<std::size_t>(cfg.kv_heads), 0);
@@ -330,7 +341,10 @@ class Session {
       return a;
     };
     if (!ragged && !uneven) {
-      const std::int64_t total = std::accumulate(budgets.begin(), budgets.end(), std::int64_t{0});
+      // A per-head budget above the length keeps every token; clamped, the sum cannot overflow
+      // (Budget::tokens(n) with n near INT64_MAX).
+      std::int64_t total = 0;
+      for (const std::int64_t b : budgets) total += std::min(b, len);
       const bool evicts = total < H * len;
       ScoreMap scores;
       Protect protect;
@@ -530,12 +544,18 @@ class Session {
   // could also fall below the tokens the policy protects, and every decode-time compression
   // would throw). ratio(r) is round(r * prompt) per head.
   std::vector<std::int64_t> head_budgets(const Budget& b, std::int64_t prompt) const {
-    const std::int64_t H = cfg_.kv_heads, n = static_cast<std::int64_t>(b.value());
+    const std::int64_t H = cfg_.kv_heads;
     switch (b.kind()) {
       case Budget::Kind::per_head:
-        return std::vector<std::int64_t>(static_cast<std::size_t>(H), n);
-      case Budget::Kind::total:
-        return b.resolve(1, H, n);  // H rows of n tokens hold all n: no clamping
+        return std::vector<std::int64_t>(static_cast<std::size_t>(H), b.count());
+      case Budget::Kind::total: {
+        // Budget::resolve's split of n over H rows, without its clamp to H * tokens (which would
+        // overflow for an n near INT64_MAX).
+        const std::int64_t n = b.count();
+        std::vector<std::int64_t> out(static_cast<std::size_t>(H), n / H);
+        for (std::int64_t r = 0; r < n % H; ++r) ++out[static_cast<std::size_t>(r)];
+        return out;
+      }
       case Budget::Kind::ratio:
         break;
     }

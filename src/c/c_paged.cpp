@@ -1,5 +1,6 @@
 // C ABI: dense batches and paged-KV compaction, over kvpolicy/batch.hpp and kvpolicy/paged.hpp.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "c/c_internal.hpp"
@@ -162,6 +163,11 @@ extern "C" kvp_status kvp_compress_paged(const kvp_policy* policy, const kvp_com
         KVP_REQUIRE(seqs[i].num_pages == 0 || seqs[i].block_table, s, ".block_table is NULL");
         ps[i].block_table = std::span<const std::int32_t>(
             seqs[i].block_table, static_cast<std::size_t>(seqs[i].num_pages));
+        // validate(PagedSequence) checks the length with the table later; here it bounds the
+        // page count below.
+        KVP_REQUIRE(seqs[i].length >= 0 &&
+                        seqs[i].length <= std::numeric_limits<std::int32_t>::max(),
+                    s, ".length ", seqs[i].length, " is outside [0, 2^31 - 1]");
         ps[i].length = seqs[i].length;
         if (seqs[i].queries.data) {
           qs[i] = view_of<const T>(seqs[i].queries, (s + ".queries").c_str());

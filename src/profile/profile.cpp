@@ -55,7 +55,8 @@ LayerProfile parse_layer_profile(const std::string& text, const std::string& whe
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(quote_nonfinite_tokens(text));
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number beyond a double ("1e999"): both the input's.
     check(false, std::string("not valid JSON: ") + e.what());
   }
   check(j.is_object(), "the top level must be a JSON object");

@@ -179,4 +179,19 @@ TEST_CASE("depthkv: spec parameters", "[allocators][depthkv][spec]") {
                       Contains("unknown parameter 'floor'"));
 }
 
+TEST_CASE("depthkv: profile values beyond a float or a double are rejected (fuzz_profile "
+          "regressions)",
+          "[allocators][depthkv][spec]") {
+  // Found by fuzz_profile: 8.4e205 is a finite double, accepted, then held as an infinite float.
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:1e300)"),
+                      Contains("sensitivity of layer 1 (1e+300) is above the float range"));
+  const auto p = kvpolicy::parse_layer_profile(R"({"sensitivity": [0.5, 8.4e205]})", "p.json");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(p, "p.json"), Contains("above the float range"));
+  CHECK(DepthKV::from_values(std::vector<double>{3.4e38, 1e-50}, "w").sensitivity[0] == 3.4e38f);
+  // Found by fuzz_profile: a number beyond a double made nlohmann-json throw out_of_range, which
+  // escaped as another exception type than kvpolicy::Error.
+  REQUIRE_THROWS_WITH(kvpolicy::parse_layer_profile(R"({"sensitivity": [1, 11e308]})", "p.json"),
+                      Contains("profile 'p.json': not valid JSON") && Contains("number overflow"));
+}
+
 }  // namespace kvt_allocators_depthkv

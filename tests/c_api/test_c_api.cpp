@@ -591,4 +591,21 @@ TEST_CASE("C ABI: CUDA entry points without a usable device", "[c_api]") {
   CHECK(kvp_cuda_compact(nullptr, nullptr, nullptr, 0, nullptr) != KVP_OK);
 }
 
+TEST_CASE("C ABI: a session shape beyond the address space is an argument error (fuzz_c_api "
+          "regression)", "[c_api]") {
+  // Found by fuzz_c_api: kv_heads * initial_capacity * head_dim overflowed while sizing buffers.
+  kvp_policy* p = make("knorm");
+  kvp_session_config cfg = kvp_session_default_config();
+  cfg.layers = 1, cfg.kv_heads = 2, cfg.q_heads = 2, cfg.head_dim = 8;
+  cfg.initial_capacity = std::int64_t{1} << 62;
+  kvp_session* s = nullptr;
+  CHECK(kvp_session_create(p, &cfg, &s) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("need buffers larger than the address space"));
+  CHECK(s == nullptr);
+  cfg.initial_capacity = 16;
+  REQUIRE(kvp_session_create(p, &cfg, &s) == KVP_OK);
+  kvp_session_destroy(s);
+  kvp_policy_destroy(p);
+}
+
 }  // namespace kvt_c_api_c_api

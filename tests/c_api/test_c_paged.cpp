@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -228,6 +229,37 @@ TEST_CASE("C ABI: kvp_compress_paged rejects bad input before writing", "[c_api]
   REQUIRE(res.num_freed == 1);
   CHECK(freed[0] == 6);
   kvp_policy_destroy(merge);
+  kvp_policy_destroy(p);
+}
+
+TEST_CASE("C ABI: paged sizes beyond the address space are argument errors (fuzz_c_api "
+          "regression)", "[c_api]") {
+  // Found by fuzz_c_api: a request length of INT64_MAX overflowed the page count before the
+  // sequence was checked, and an empty pool (dim 0) of 2^62 heads passed validation.
+  const std::int64_t blocks = 4, page = 4;
+  std::vector<float> kp(static_cast<std::size_t>(L * blocks * page * H * D), 0.5f), vp = kp;
+  kvp_policy* p = make("knorm");
+  kvp_compress_params prm = kvp_compress_default_params();
+  kvp_paged_tensor ck = kvp_paged_tensor_make(KVP_LAYOUT_NHD, kp.data(), KVP_F32, blocks, L, H, page, D);
+  kvp_paged_tensor cv = kvp_paged_tensor_make(KVP_LAYOUT_NHD, vp.data(), KVP_F32, blocks, L, H, page, D);
+  std::int32_t table[2] = {0, 1}, freed[2];
+  kvp_paged_sequence seq{table, 2, std::numeric_limits<std::int64_t>::max(), {}, nullptr};
+  kvp_paged_result res{};
+  res.freed_blocks = freed;
+  res.freed_capacity = 2;
+  CHECK(kvp_compress_paged(p, &prm, &ck, &cv, nullptr, &seq, 1, &res) ==
+        KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("seqs[0].length 9223372036854775807 is outside"));
+  seq.length = 6;
+  kvp_paged_tensor empty = ck;
+  empty.dim = 0;
+  empty.heads = std::int64_t{1} << 62;
+  kvp_paged_tensor empty_v = empty;
+  empty_v.data = vp.data();
+  CHECK(kvp_compress_paged(p, &prm, &empty, &empty_v, nullptr, &seq, 1, &res) ==
+        KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("address space"));
+  CHECK(kvp_compress_paged(p, &prm, &ck, &cv, nullptr, &seq, 1, &res) == KVP_OK);
   kvp_policy_destroy(p);
 }
 

@@ -69,6 +69,18 @@ TEST_CASE("Budget resolve: hand-checked values", "[core]") {
   CHECK(Budget::ratio(1.0).resolve(1, 1, 0) == V{0});
 }
 
+TEST_CASE("Budget: token counts up to INT64_MAX come back as integers (fuzz_spec regression)",
+          "[core]") {
+  // A double holds INT64_MAX as 2^63: converting that back to int64 overflowed.
+  using V = std::vector<std::int64_t>;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  CHECK(Budget::tokens(kMax).count() == kMax);
+  CHECK(Budget::total(kMax).count() == kMax);
+  CHECK(Budget::tokens(std::int64_t{1} << 62).count() == std::int64_t{1} << 62);
+  CHECK(Budget::tokens(kMax).resolve(2, 2, 10) == V{10, 10, 10, 10});
+  CHECK(Budget::total(kMax).resolve(1, 3, 7) == V{7, 7, 7});
+}
+
 TEST_CASE("Budget rejects negative, NaN, infinite and >1-ratio budgets with messages", "[core]") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();

@@ -204,4 +204,33 @@ TEMPLATE_TEST_CASE("require_finite names the non-finite element", "[core]", floa
                         Contains("layer 0, head 1, token 0, dim 2"));
 }
 
+TEST_CASE("KVView validate rejects extents and strides beyond the address space (fuzz_c_api "
+          "regression)", "[core]") {
+  // Found by fuzz_c_api: an empty view ([2^62][4][0][1]) passed validate() and its L * H rows
+  // then overflowed sizes computed from it; a stride times its extent overflowed inside the
+  // aliasing check.
+  std::vector<float> buf(64);
+  const std::int64_t big = std::int64_t{1} << 62;
+  CHECK_THAT(validate_message(KVView<float>{buf.data(), big, 4, 0, 1, 0, 0, 0, 1}),
+             Contains("keys: extents span more elements than the address space holds"));
+  CHECK_THAT(validate_message(KVView<float>{nullptr, 1, big, 0, 2, 0, 0, 0, 1}),
+             Contains("address space"));
+  CHECK(validate_message(KVView<float>{nullptr, big / 8, 1, 0, 1, 0, 0, 0, 1}).empty());
+  KVView<float> v = KVView<float>::hnd(buf.data(), 1, 2, 3, 4);
+  v.stride_token = big;  // token 2 sits at 2^63
+  CHECK_THAT(validate_message(v), Contains("token stride 4611686018427387904 x 2 reaches past"));
+  v.stride_token = 4;
+  v.stride_head = std::numeric_limits<std::int64_t>::max();
+  CHECK_THAT(validate_message(v), Contains("head stride") && Contains("reaches past"));
+}
+
+TEST_CASE("require_finite returns at once for an empty view (fuzz_c_api regression)", "[core]") {
+  // Found by fuzz_c_api: queries [1][2^40][0][4] (valid: empty) made require_finite walk 2^40
+  // heads of nothing, a hang of hours.
+  std::vector<float> one(1);
+  const KVView<float> v{one.data(), 1, std::int64_t{1} << 40, 0, 4, 0, 0, 4, 1};
+  REQUIRE(validate_message(v).empty());
+  CHECK_NOTHROW(kvpolicy::require_finite(v, "queries"));
+}
+
 }  // namespace kvt_core_kv_view

@@ -188,4 +188,18 @@ TEMPLATE_TEST_CASE("compact: a bad selection throws and modifies no buffer", "[o
   CHECK(kvtest::bytes_of(buf) != before);
 }
 
+TEST_CASE("compact: an empty cache with no memory behind it is a no-op (fuzz_spec regression)",
+          "[ops]") {
+  // Found by fuzz_spec: Policy::compress on a cache of 0 tokens (an empty std::vector's null
+  // data) offset the null pointer to each row (undefined behaviour, UBSan's pointer-overflow).
+  const kvpolicy::cpu_backend be{1};
+  const Selection none(2, 3);
+  CHECK_NOTHROW(kvpolicy::cpu::compact(be, KVView<float>::hnd(nullptr, 2, 3, 0, 8), none));
+  CHECK_NOTHROW(kvpolicy::cpu::compact(be, KVView<float>::nhd(nullptr, 2, 3, 0, 8), none));
+  Selection empty_rows(1, 2);
+  empty_rows.kept(0, 0) = {0, 1};
+  empty_rows.kept(0, 1) = {1};
+  CHECK_NOTHROW(kvpolicy::cpu::compact(be, KVView<float>::hnd(nullptr, 1, 2, 2, 0), empty_rows));
+}
+
 }  // namespace kvt_ops_compact

@@ -878,4 +878,48 @@ TEST_CASE("Session: decode-time compressions keep the per-head budgets the alloc
   CHECK(compressions == kLayers * (S - prompt) / 4);
 }
 
+TEST_CASE("Session: token budgets up to INT64_MAX keep everything (fuzz_spec regression)",
+          "[session]") {
+  // Found by fuzz_spec: a per-head budget of 2^62 on two heads overflowed the event's total
+  // (undefined behaviour); tokens(INT64_MAX) is stored as the double 2^63, whose conversion
+  // back overflowed; total(n) split over the heads overflowed n * heads.
+  Sequence<float> seq(6, 11);
+  const std::int64_t big = std::int64_t{1} << 62, max = std::numeric_limits<std::int64_t>::max();
+  for (const Budget b : {Budget::tokens(big), Budget::tokens(max), Budget::total(big),
+                         Budget::total(max)}) {
+    INFO("budget " << b.count() << (b.kind() == Budget::Kind::total ? " in total" : " per head"));
+    SessionConfig c = config(b);
+    c.decode_interval = 1;
+    c.decode_target = b;
+    Session<float> s(kvpolicy::Policy("knorm"), c);
+    for (std::int64_t l = 0; l < kLayers; ++l) {
+      s.append(l, seq.K(l, 0, 5), seq.V(l, 0, 5), seq.Q(l, 0, 5));
+      CHECK(s.compress_if_due(l));
+      s.append(l, seq.K(l, 5, 1), seq.V(l, 5, 1), seq.Q(l, 5, 1));
+      CHECK_FALSE(s.compress_if_due(l));  // nothing to evict below the budget
+      for (std::int64_t h = 0; h < kHkv; ++h) CHECK(s.length(l, h) == 6);
+      const std::int64_t per_head = b.kind() == Budget::Kind::total ? b.count() / kHkv : b.count();
+      CHECK(s.budgets(l)[1] == per_head);
+    }
+  }
+}
+
+TEST_CASE("Session rejects shapes whose buffers overflow the address space (fuzz_c_api regression)",
+          "[session]") {
+  // Found by fuzz_c_api: kv_heads * initial_capacity * head_dim (and q_heads * query window *
+  // head_dim) overflowed int64 while sizing the buffers.
+  SessionConfig c = config(Budget::ratio(0.5), std::int64_t{1} << 62);
+  CHECK_THAT(error_of([&] { Session<float>(kvpolicy::Policy("knorm"), c); }),
+             Contains("need buffers larger than the address space"));
+  c.initial_capacity = 8;
+  c.head_dim = std::numeric_limits<std::int64_t>::max();
+  CHECK_THAT(error_of([&] { Session<float>(kvpolicy::Policy("knorm"), c); }),
+             Contains("need buffers larger than the address space"));
+  CHECK_THAT(error_of([&] {
+               Session<float>(kvpolicy::Policy("snapkv(window=4611686018427387904)"),
+                              config(Budget::ratio(0.5)));
+             }),
+             Contains("a query window of 4611686018427387904 need buffers larger"));
+}
+
 }  // namespace kvt_session_session

@@ -23,6 +23,7 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,6 +54,9 @@ struct DepthKV {
                   " is not finite");
       KVP_REQUIRE(s[l] >= 0, "depthkv: ", where, ": sensitivity of layer ", l,
                   " is negative (", s[l], ")");
+      // Held as float: a larger finite double would become infinity.
+      KVP_REQUIRE(s[l] <= std::numeric_limits<float>::max(), "depthkv: ", where,
+                  ": sensitivity of layer ", l, " (", s[l], ") is above the float range");
       d.sensitivity[l] = static_cast<float>(s[l]);
     }
     d.layers = static_cast<std::int64_t>(s.size());

@@ -4,6 +4,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kvpolicy/core/error.hpp"
@@ -23,6 +24,13 @@ class Budget {
 
   Kind kind() const { return kind_; }
   double value() const { return value_; }
+  // The token count of a per_head or total budget (validated first). The value is a double, which
+  // holds INT64_MAX as 2^63: that saturates back to INT64_MAX here instead of overflowing the
+  // conversion.
+  std::int64_t count() const {
+    return value_ >= 0x1p63 ? std::numeric_limits<std::int64_t>::max()
+                            : static_cast<std::int64_t>(value_);
+  }
 
   void validate() const {
     KVP_REQUIRE(std::isfinite(value_), "budget is not a finite number (", value_, ")");
@@ -38,9 +46,9 @@ class Budget {
       case Kind::ratio:
         return rows * static_cast<std::int64_t>(std::llround(value_ * static_cast<double>(tokens)));
       case Kind::per_head:
-        return rows * std::min<std::int64_t>(static_cast<std::int64_t>(value_), tokens);
+        return rows * std::min<std::int64_t>(count(), tokens);
       case Kind::total:
-        return std::min<std::int64_t>(static_cast<std::int64_t>(value_), rows * tokens);
+        return std::min<std::int64_t>(count(), rows * tokens);
     }
     return 0;
   }

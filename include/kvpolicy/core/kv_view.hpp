@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <string_view>
 #include <utility>
 #include <type_traits>
@@ -65,6 +67,32 @@ struct KVView {
 };
 
 namespace detail {
+// True when the product of non-negative factors fits an int64 (ptrdiff_t, a std::vector's limit
+// in bytes). Buffers sized by a product of extents check it before computing the product.
+inline bool product_fits(std::initializer_list<std::int64_t> factors) {
+  std::int64_t p = 1;
+  for (const std::int64_t f : factors) {
+    if (f != 0 && p > std::numeric_limits<std::int64_t>::max() / f) return false;
+    p *= f;
+  }
+  return true;
+}
+
+// The index space of a view must be addressable even when the view is empty: [2^62][4][0][d]
+// holds no element, but selections and budgets still count its L * H rows. Zero extents count
+// as 1 here.
+template <std::size_t N>
+void require_addressable(const std::int64_t (&ext)[N], std::size_t elem_bytes,
+                         std::string_view what) {
+  std::int64_t p = static_cast<std::int64_t>(elem_bytes);
+  for (const std::int64_t e : ext) {
+    const std::int64_t f = e > 0 ? e : 1;
+    KVP_REQUIRE(p <= std::numeric_limits<std::int64_t>::max() / f, what,
+                ": extents span more elements than the address space holds");
+    p *= f;
+  }
+}
+
 // No two elements of an N-d strided view alias each other. Sufficient check: order the dims by
 // stride (extent-1 dims do not matter) and require each stride to step over the full extent of
 // the smaller ones. Extents are positive, strides were checked non-negative.
@@ -82,6 +110,9 @@ void require_no_overlap(const std::int64_t (&ext)[N], const std::int64_t (&str)[
     if (ext[d] == 1) continue;
     KVP_REQUIRE(str[d] >= span, what, ": ", names[d], " stride ", str[d],
                 " overlaps the inner dimensions (needs >= ", span, ")");
+    KVP_REQUIRE(str[d] <= (std::numeric_limits<std::int64_t>::max() - span) / (ext[d] - 1), what,
+                ": ", names[d], " stride ", str[d], " x ", ext[d] - 1,
+                " reaches past the address space");
     span = str[d] * (ext[d] - 1) + span;
   }
 }
@@ -95,9 +126,10 @@ void validate(const KVView<T>& v, std::string_view what) {
   KVP_REQUIRE(v.layers >= 0 && v.heads >= 0 && v.tokens >= 0 && v.dim >= 0, what,
               ": negative extent (layers=", v.layers, ", heads=", v.heads, ", tokens=", v.tokens,
               ", dim=", v.dim, ")");
+  const std::int64_t ext[4] = {v.layers, v.heads, v.tokens, v.dim};
+  detail::require_addressable(ext, sizeof(T), what);
   if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
   KVP_REQUIRE(v.data != nullptr, what, ": null data pointer");
-  const std::int64_t ext[4] = {v.layers, v.heads, v.tokens, v.dim};
   const std::int64_t str[4] = {v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
   const char* const names[4] = {"layer", "head", "token", "dim"};
   for (int i = 0; i < 4; ++i)
@@ -109,6 +141,8 @@ void validate(const KVView<T>& v, std::string_view what) {
 // score meaningless and selection non-deterministic).
 template <class T>
 void require_finite(const KVView<T>& v, std::string_view what) {
+  // An empty view may have huge other extents (validate() accepts [2^40][1][0][d]): no loop.
+  if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
   for (std::int64_t l = 0; l < v.layers; ++l)
     for (std::int64_t h = 0; h < v.heads; ++h)
       for (std::int64_t t = 0; t < v.tokens; ++t)

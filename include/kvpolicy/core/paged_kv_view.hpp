@@ -68,6 +68,7 @@ void validate(const PagedKVView<T>& v, std::string_view what) {
               ", heads=", v.heads, ", page_size=", v.page_size, ", dim=", v.dim, ")");
   KVP_REQUIRE(v.page_size > 0, what, ": page_size must be >= 1");
   const std::int64_t ext[5] = {v.layers, v.num_blocks, v.heads, v.page_size, v.dim};
+  detail::require_addressable(ext, sizeof(T), what);
   const std::int64_t str[5] = {v.stride_layer, v.stride_block, v.stride_head, v.stride_token,
                                v.stride_dim};
   const char* const names[5] = {"layer", "block", "head", "token", "dim"};
@@ -118,6 +119,7 @@ inline void validate(const PagedSequence& s, std::int64_t page_size, std::int64_
 // for a dense view; the token in the message is the logical position).
 template <class T>
 void require_finite(const PagedKVView<T>& v, const PagedSequence& s, std::string_view what) {
+  if (v.layers == 0 || v.heads == 0 || s.length == 0 || v.dim == 0) return;  // see KVView's
   for (std::int64_t l = 0; l < v.layers; ++l)
     for (std::int64_t h = 0; h < v.heads; ++h)
       for (std::int64_t t = 0; t < s.length; ++t) {

@@ -80,6 +80,8 @@ void compact(const cpu_backend& be, const KVView<T>& kv, const Selection& sel) {
               sel.layers(), ",", sel.heads(), "] but the cache has [", kv.layers, ",", kv.heads,
               "] layers x heads");
   sel.validate(kv.tokens);
+  // No rows, or rows of no bytes: nothing moves (and the data of an empty view may be null).
+  if (kv.tokens == 0 || kv.dim == 0) return;
   parallel_for(be, kv.layers * kv.heads, [&](std::int64_t r) {
     detail::compact_head(kv, r / kv.heads, r % kv.heads, sel.kept(r / kv.heads, r % kv.heads));
   });

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/, clang with ASan + UBSan + libFuzzer) and runs each for a
+# while on a fresh copy of its seed corpus (fuzz/seeds/<target>/):
+#   bash scripts/fuzz.sh [seconds] [target...]     # default: 30 s, every target
+# One summary line per target (runs, runs/s, coverage edges, features, corpus, result); exits
+# non-zero if a target crashed, leaked, hit a sanitizer report or a contract check (FINDING), or
+# timed out on one input. The input that did it is under $BUILD_DIR/artifacts/<target>/; run
+# the target on that file to reproduce.
+# Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz), KVPOLICY_JOBS (build jobs, default
+# nproc), KVPOLICY_FUZZ_KEEP_CORPUS=1 (keep and grow $BUILD_DIR/corpus/<target> between runs
+# instead of starting from the seeds), CXX (default clang++), CCACHE_DIR (default
+# $HOME/.cache/ccache), ASAN_OPTIONS / UBSAN_OPTIONS (added to; detect_leaks is set here).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+SECONDS_PER_TARGET=${1:-30}
+shift || true
+ALL_TARGETS=(fuzz_spec fuzz_c_api fuzz_profile fuzz_tokenizer fuzz_gguf)
+TARGETS=("$@")
+((${#TARGETS[@]})) || TARGETS=("${ALL_TARGETS[@]}")
+BUILD_DIR=${KVPOLICY_FUZZ_BUILD_DIR:-build-fuzz}
+JOBS=${KVPOLICY_JOBS:-$(nproc)}
+CXX_FUZZ=${CXX:-clang++}
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+
+log() { echo "fuzz.sh: $*"; }
+
+[[ $SECONDS_PER_TARGET =~ ^[0-9]+$ ]] || { log "seconds must be a number, got '$SECONDS_PER_TARGET'"; exit 2; }
+for t in "${TARGETS[@]}"; do
+  [[ " ${ALL_TARGETS[*]} " == *" $t "* ]] || { log "unknown target '$t' (${ALL_TARGETS[*]})"; exit 2; }
+done
+if ! command -v "$CXX_FUZZ" >/dev/null 2>&1; then
+  log "$CXX_FUZZ not found: libFuzzer needs clang (Debian: apt-get install clang libclang-rt-14-dev)"
+  exit 2
+fi
+
+# Longest input per target: a spec string, a few KB of C ABI calls, a profile of 512 layers, a
+# paragraph of text; fuzz_gguf takes the size of its largest seed (libFuzzer's default).
+max_len() {
+  case $1 in
+    fuzz_spec) echo 512 ;;
+    fuzz_c_api) echo 4096 ;;
+    fuzz_profile) echo 8192 ;;
+    fuzz_tokenizer) echo 1024 ;;
+    *) echo 0 ;;
+  esac
+}
+
+cmake_args=(-S fuzz -B "$BUILD_DIR" "-DCMAKE_CXX_COMPILER=$CXX_FUZZ")
+command -v ninja >/dev/null 2>&1 && cmake_args+=(-G Ninja)
+command -v ccache >/dev/null 2>&1 && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+log "configure: cmake ${cmake_args[*]}"
+mkdir -p "$BUILD_DIR"
+cmake "${cmake_args[@]}" >"$BUILD_DIR/configure.log" 2>&1 || { cat "$BUILD_DIR/configure.log"; exit 1; }
+log "build: ${TARGETS[*]}"
+cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
+
+# LeakSanitizer needs ptrace, which some containers forbid: check that it runs and reports a
+# real leak before relying on it.
+probe="$BUILD_DIR/lsan_probe"
+printf '#include <cstdlib>\nint main() { void* volatile p = std::malloc(64); p = nullptr; return 0; }\n' \
+  >"$probe.cpp"
+leaks=0 leaks_word=no
+if "$CXX_FUZZ" -fsanitize=address -g "$probe.cpp" -o "$probe" >/dev/null 2>&1 &&
+   ! ASAN_OPTIONS=detect_leaks=1 "$probe" >"$probe.log" 2>&1 &&
+   grep -q "LeakSanitizer: detected memory leaks" "$probe.log"; then
+  leaks=1 leaks_word=yes
+  log "LeakSanitizer works here: leaks are findings"
+else
+  log "LeakSanitizer does not work here (no ptrace?): leaks are NOT checked"
+fi
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=${leaks}"
+
+failed=()
+summary=()
+for t in "${TARGETS[@]}"; do
+  corpus="$BUILD_DIR/corpus/$t" artifacts="$BUILD_DIR/artifacts/$t" logf="$BUILD_DIR/$t.log"
+  [[ ${KVPOLICY_FUZZ_KEEP_CORPUS:-0} == 1 ]] || rm -rf "$corpus"
+  mkdir -p "$corpus" "$artifacts"
+  if compgen -G "fuzz/seeds/$t/*" >/dev/null; then cp -n fuzz/seeds/"$t"/* "$corpus"/; fi
+  args=(-max_total_time="$SECONDS_PER_TARGET" -timeout=30 -rss_limit_mb=2560 -detect_leaks=$leaks
+        -print_final_stats=1 -artifact_prefix="$artifacts/")
+  len=$(max_len "$t")
+  ((len > 0)) && args+=(-max_len="$len")
+  [[ -f fuzz/$t.dict ]] && args+=(-dict="fuzz/$t.dict")
+  log "=== $t: $BUILD_DIR/$t ${args[*]} $corpus"
+  rc=0
+  "$BUILD_DIR/$t" "${args[@]}" "$corpus" >"$logf" 2>&1 || rc=$?
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logf" | tail -1)
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$logf" | tail -1)
+  last=$(grep -E '^#[0-9]+[[:space:]]+(DONE|pulse|NEW|REDUCE|INITED)' "$logf" | tail -1 || true)
+  cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
+  ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
+  corp=$(sed -n 's/.* corp: \([0-9]*\).*/\1/p' <<<"$last")
+  result=PASS
+  if ((rc != 0)) || grep -qE 'ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|runtime error:|^FINDING:' "$logf"; then
+    result="FAIL (exit $rc; log $logf; input $(ls -t "$artifacts" 2>/dev/null | head -1))"
+    failed+=("$t")
+    grep -E 'ERROR: |runtime error:|^FINDING:|SUMMARY:' "$logf" | head -5 | sed 's/^/    /'
+  fi
+  line="$t: ${SECONDS_PER_TARGET}s, ${runs:-?} runs (${rate:-?}/s), cov ${cov:-?}, ft ${ft:-?}, corpus ${corp:-?}: $result"
+  log "$line"
+  summary+=("$line")
+done
+
+log "summary (leaks checked: $leaks_word):"
+for s in "${summary[@]}"; do echo "  $s"; done
+if ((${#failed[@]})); then
+  log "FAILED: ${failed[*]}"
+  exit 1
+fi
+log "PASSED"
