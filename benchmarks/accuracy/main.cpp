@@ -31,6 +31,7 @@
 #include <omp.h>
 #endif
 
+#include "cli_lists.hpp"
 #include "report.hpp"
 #include "retrieval.hpp"
 #include "tasks.hpp"
@@ -43,18 +44,14 @@ using kvpolicy::Budget;
 using kvpolicy::Policy;
 
 constexpr const char* kFull = "streaming";  // with Budget::ratio(1.0): keeps every token
-const std::string kProfile =
-    std::string("depthkv(profile=") + KVPOLICY_PROFILE_DIR + "/SmolLM2-135M-Instruct.snapkv-0.2.json)";
+const std::string kProfile = depthkv_stage(KVPOLICY_PROFILE_DIR);
 
 struct Options {
   std::string model, out = "accuracy-results", suite = "default", shard, prompt_set = "eval";
   std::vector<std::string> merge;
   int threads = 0;
   bool plots = true;
-  std::vector<std::string> policies = {"streaming",      "h2o",           "snapkv",
-                                       "tova",           "knorm",         "keydiff",
-                                       "snapkv | pyramid", "snapkv | adakv", "snapkv | ams",
-                                       "snapkv | " + kProfile};
+  std::vector<std::string> policies = default_policies(KVPOLICY_PROFILE_DIR);
   std::vector<double> budgets = {0.1, 0.2, 0.3};
   std::vector<std::string> tasks = retrieval_tasks();
   std::vector<std::string> regimes = {"known", "agnostic"};
@@ -140,19 +137,6 @@ void apply_suite(Options& o) {
                 "' (default, full, quick, allocators, mergers, quant)");
   }
   o.skip.push_back("curve");
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at <= s.size()) {
-    const auto next = std::min(s.find(sep, at), s.size());
-    std::string item = s.substr(at, next - at);
-    const auto b = item.find_first_not_of(' '), e = item.find_last_not_of(' ');
-    if (b != std::string::npos) out.push_back(item.substr(b, e - b + 1));
-    at = next + 1;
-  }
-  return out;
 }
 
 struct Shard {
@@ -280,66 +264,32 @@ Options parse_args(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
   }
-  auto numbers = [](const std::string& flag, const std::string& s, auto& out) {
-    using T = typename std::decay_t<decltype(out)>::value_type;
-    out.clear();
-    for (const auto& item : split(s, ',')) {
-      std::size_t used = 0;
-      T v{};
-      try {
-        if constexpr (std::is_floating_point_v<T>)
-          v = static_cast<T>(std::stod(item, &used));
-        else
-          v = static_cast<T>(std::stoll(item, &used));
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      KVP_REQUIRE(used == item.size(), flag, ": '", item, "' is not a number");
-      out.push_back(v);
-    }
-    KVP_REQUIRE(!out.empty(), flag, ": empty list");
-  };
-  if (!policies.empty()) o.policies = split(policies, ';');
-  if (!long_policies.empty()) o.long_policies = split(long_policies, ';');
-  if (!budgets.empty()) numbers("--budgets", budgets, o.budgets);
-  if (!lengths.empty()) numbers("--lengths", lengths, o.lengths);
-  if (!long_budgets.empty()) numbers("--long-budgets", long_budgets, o.long_budgets);
+  if (!policies.empty()) o.policies = split_list(policies, ';');
+  if (!long_policies.empty()) o.long_policies = split_list(long_policies, ';');
+  if (!budgets.empty()) parse_numbers("--budgets", budgets, o.budgets);
+  if (!lengths.empty()) parse_numbers("--lengths", lengths, o.lengths);
+  if (!long_budgets.empty()) parse_numbers("--long-budgets", long_budgets, o.long_budgets);
   if (!throughput_lengths.empty())
-    numbers("--throughput-lengths", throughput_lengths, o.throughput_lengths);
-  if (!tasks.empty()) o.tasks = split(tasks, ',');
-  if (!regimes.empty()) o.regimes = split(regimes, ',');
-  if (!skip.empty()) o.skip = split(skip, ',');
-  // A repeated entry would count the same samples twice (and rank a policy against itself).
-  auto unique = [](const char* flag, auto v) {
-    std::sort(v.begin(), v.end());
-    const auto dup = std::adjacent_find(v.begin(), v.end());
-    if (dup != v.end()) {
-      std::ostringstream os;
-      os << *dup;
-      KVP_REQUIRE(false, flag, ": '", os.str(), "' is listed twice");
-    }
-  };
-  unique("--policies", o.policies);
-  unique("--long-policies", o.long_policies);
-  unique("--budgets", o.budgets);
-  unique("--long-budgets", o.long_budgets);
-  unique("--tasks", o.tasks);
-  unique("--regimes", o.regimes);
-  unique("--lengths", o.lengths);
-  unique("--throughput-lengths", o.throughput_lengths);
-  unique("--skip", o.skip);
+    parse_numbers("--throughput-lengths", throughput_lengths, o.throughput_lengths);
+  if (!tasks.empty()) o.tasks = split_list(tasks, ',');
+  if (!regimes.empty()) o.regimes = split_list(regimes, ',');
+  if (!skip.empty()) o.skip = split_list(skip, ',');
+  require_unique("--policies", o.policies);
+  require_unique("--long-policies", o.long_policies);
+  require_unique("--budgets", o.budgets);
+  require_unique("--long-budgets", o.long_budgets);
+  require_unique("--tasks", o.tasks);
+  require_unique("--regimes", o.regimes);
+  require_unique("--lengths", o.lengths);
+  require_unique("--throughput-lengths", o.throughput_lengths);
+  require_unique("--skip", o.skip);
   KVP_REQUIRE(o.long_prompts <= 5, "--long-prompts: ", o.long_prompts,
               " is more than the 5 long-generation prompts there are");
   for (double b : o.budgets) KVP_REQUIRE(b > 0 && b <= 1, "--budgets: ", b, " is not in (0, 1]");
   for (auto b : o.long_budgets) KVP_REQUIRE(b > 0, "--long-budgets: ", b, " is not positive");
   for (auto L : o.lengths) KVP_REQUIRE(L > 0, "--lengths: ", L, " is not positive");
-  for (const auto& t : o.tasks)
-    KVP_REQUIRE(std::find(retrieval_tasks().begin(), retrieval_tasks().end(), t) !=
-                    retrieval_tasks().end(),
-                "--tasks: unknown task '", t, "' (passkey, niah, multikey, multivalue, vartrack)");
-  for (const auto& r : o.regimes)
-    KVP_REQUIRE(r == "known" || r == "agnostic", "--regimes: unknown regime '", r,
-                "' (known, agnostic)");
+  require_tasks(o.tasks);
+  require_regimes(o.regimes);
   for (const auto& s : o.skip)
     KVP_REQUIRE(kSections.count(s), "--skip: unknown section '", s,
                 "' (curve, retrieval, fidelity, long, throughput)");

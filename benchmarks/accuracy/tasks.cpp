@@ -26,6 +26,16 @@ constexpr const char* kMark = "\x01KVPOLICY_USER_CONTENT\x01";
 
 }  // namespace
 
+std::string depthkv_stage(const std::string& profile_dir) {
+  return "depthkv(profile=" + profile_dir + "/SmolLM2-135M-Instruct.snapkv-0.2.json)";
+}
+
+std::vector<std::string> default_policies(const std::string& profile_dir) {
+  return {"streaming",      "h2o",          "snapkv",       "tova",
+          "knorm",          "keydiff",      "snapkv | pyramid", "snapkv | adakv",
+          "snapkv | ams",   "snapkv | " + depthkv_stage(profile_dir)};
+}
+
 PasskeyPieces passkey_pieces(const Model& m, const std::string& key_digits) {
   const auto& tok = m.tokenizer();
   const std::string chat = tok.apply_chat_template({{"user", kMark}}, true);

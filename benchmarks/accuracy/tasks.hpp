@@ -30,6 +30,12 @@ struct GridPoint {
   double budget = 1.0;  // ratio of the prompt
 };
 
+// The DepthKV stage with the bundled SmolLM2-135M profile of `profile_dir` (benchmarks/profiles).
+std::string depthkv_stage(const std::string& profile_dir);
+// The default suite's policies (kvpolicy_accuracy's --policies default; kvpolicy_keptsets
+// checks them for determinism).
+std::vector<std::string> default_policies(const std::string& profile_dir);
+
 // Wall-clock seconds of a callable.
 template <class F>
 double seconds(F&& f) {

@@ -20,44 +20,52 @@ int thread_count(int requested) {
 #endif
 }
 
-// y = x W^T, split over blocks of W's rows on our own OpenMP threads, each block one
-// single-threaded Eigen product (a GEMM for prefill chunks, a GEMV for decode). Eigen's built-in
-// GEMM parallelism is kept out: its threads busy-wait on each other, which collapses when the
-// machine is oversubscribed (measured: 10x slower prefill on a loaded 2-core box), and it never
-// parallelizes GEMVs.
+// y = x W^T over fixed blocks of kBlockRows rows of W (output columns of y), each block one
+// single-threaded Eigen product (a GEMM for prefill chunks, a GEMV for decode), the blocks spread
+// over our own OpenMP threads. Eigen's built-in GEMM parallelism is kept out: its threads
+// busy-wait on each other, which collapses when the machine is oversubscribed (measured: 10x
+// slower prefill on a loaded 2-core box), and it never parallelizes GEMVs.
+//
+// The blocks are the same whatever the thread count, and the single-threaded path runs the same
+// blocks, so the forward pass is bitwise the same for any thread count: Eigen's GEMM gives rows
+// at the edge of a register panel (48 rows of W with AVX-512, 24 with AVX2, 12 with SSE) another
+// rounding than rows inside one, so a partition that followed the thread count changed the last
+// bits of Q/K/V (measured under -march=native, 512 x 576 by 576 x 576: blocks of 80 rows differ
+// from one product in 2.6% of the outputs, blocks of 48 or 96 in none; without -march=native no
+// partition differs) and with them near-tied kept sets (scripts/determinism.sh).
 //
 // Products below kParallelMacs multiply-adds run on the calling thread: a decode step's per-layer
 // GEMVs take well under a millisecond each, and a parallel region per GEMV costs more than it
 // saves whenever the cores are shared (OpenMP workers spin at the barrier while the thread they
 // wait for is descheduled). Prefill chunks and the vocabulary projection stay parallel.
 constexpr double kParallelMacs = 8e6;
+constexpr Eigen::Index kBlockRows = 96;  // two AVX-512 panels; a multiple of every panel size
 
 void linear(const Matrix& x, const Matrix& w, Matrix& y, int threads) {
   y.resize(x.rows(), w.rows());
-  const Eigen::Index out = w.rows();
+  const Eigen::Index out = w.rows(), blocks = (out + kBlockRows - 1) / kBlockRows;
   const double macs =
       static_cast<double>(x.rows()) * static_cast<double>(w.rows()) * static_cast<double>(w.cols());
+  auto block = [&](Eigen::Index b) {
+    const Eigen::Index r0 = b * kBlockRows, n = std::min(kBlockRows, out - r0);
+    y.middleCols(r0, n).noalias() = x * w.middleRows(r0, n).transpose();
+  };
   if (threads <= 1 || macs < kParallelMacs) {
 #if defined(_OPENMP)
     // Eigen would otherwise start omp_get_max_threads() threads of its own.
     const int saved = omp_get_max_threads();
     omp_set_num_threads(1);
 #endif
-    y.noalias() = x * w.transpose();
+    for (Eigen::Index b = 0; b < blocks; ++b) block(b);
 #if defined(_OPENMP)
     omp_set_num_threads(saved);
 #endif
     return;
   }
-  const Eigen::Index block = std::max<Eigen::Index>(16, (out / (4 * threads) + 15) / 16 * 16);
-  const Eigen::Index blocks = (out + block - 1) / block;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
 #endif
-  for (Eigen::Index b = 0; b < blocks; ++b) {
-    const Eigen::Index r0 = b * block, n = std::min(block, out - r0);
-    y.middleCols(r0, n).noalias() = x * w.middleRows(r0, n).transpose();
-  }
+  for (Eigen::Index b = 0; b < blocks; ++b) block(b);
 }
 
 // out = x / rms(x) * weight, row by row (fp32, as Hugging Face computes it).

@@ -5,6 +5,12 @@
 // prompt as chunked GEMMs and then compresses every layer to the budget; decode steps evict for
 // decode-time policies (H2O). fp32 throughout; Eigen GEMMs (OpenMP) for prefill, row-parallel
 // GEMV for single tokens. Greedy decoding and teacher forcing for the accuracy benchmark.
+// Determinism: every result is bitwise the same for any thread count (the GEMMs run in fixed
+// blocks of weight rows, attention in fixed blocks of query rows). It is not the same between
+// builds of different SIMD width: Eigen's kernels round differently with AVX-512 and FMA than
+// with SSE2, so Q/K/V differ in the last bits between scripts/test.sh's portable build and
+// scripts/main.sh's -march=native build, and kept sets differ where scores are near-tied at a
+// cut (README, "Determinism"; scripts/determinism.sh measures it).
 #pragma once
 #include <functional>
 #include <memory>

@@ -102,8 +102,15 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
     o.noalias() = probs * V;  // one GEMM; masked entries are exact zeros
     for (std::int64_t r = 0; r < rows; ++r) std::copy_n(o.row(r).data(), d, out_row(r0 + r));
     if (args.accumulate) {
-      float* cs = col_sums.data() + item * max_len;
-      Eigen::Map<Eigen::RowVectorXf>(cs, len).noalias() = probs.colwise().sum();
+      // Row after row: every column sums its rows in row order, whatever the SIMD width and the
+      // buffer's address. (probs.colwise().sum() sums the columns it vectorizes in another order
+      // than those it peels off to align the destination; with 64-byte AVX-512 packets and a
+      // malloc-aligned col_sums the peeled columns, and so the accumulators' last bits, followed
+      // the heap layout, which changes with the thread count. Measured with -march=native: up to
+      // 12 of 1000 column sums of a 128-row block change with the destination's offset.)
+      Eigen::Map<Eigen::RowVectorXf> cs(col_sums.data() + item * max_len, len);
+      cs = probs.row(0);
+      for (std::int64_t r = 1; r < rows; ++r) cs += probs.row(r);
     }
   });
   if (!args.accumulate && !args.observed) return;

@@ -1,6 +1,12 @@
 // CPU reference selection: per (layer, head), keep the protected tokens (first `sinks`, last
 // `recent`) and fill the rest of the row's budget with the best other tokens under the library's
 // total order (topk_key: higher score, then more recent). Output ascending.
+// A kept set is therefore an exact function of the scores' bits. The scores themselves are the
+// same for any thread count, but not between builds of different SIMD width: the Eigen kernels
+// of window_attention.hpp and attention.hpp (GEMM, exp) round differently with AVX-512 and FMA
+// (-march=native) than with SSE2, also with -ffp-contract=off (Eigen's FMAs are explicit). Kept
+// sets then differ only where two scores are within rounding of each other at the cut (README,
+// "Determinism", measures it on the accuracy benchmark's prompts).
 #pragma once
 #include <algorithm>
 #include <cmath>
