@@ -338,7 +338,7 @@ int plugin_score(void* state, const kvp_score_args* args) {
   }
   const std::int64_t upto = b == Score::partial ? n / 2 : n;
   for (std::int64_t i = 0; i < upto; ++i) {
-    float v = rng.uniform();
+    auto v = static_cast<float>(rng.uniform());
     if (rng.next() % 5 == 0) v = static_cast<float>(rng.next() % 3);  // ties
     if (b == Score::nonfinite && i == n / 3) v = rng.next() % 2 ? NAN : -INFINITY;
     args->scores[i] = v;

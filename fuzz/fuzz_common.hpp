@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <limits>
 
+#include <common/random_kv.hpp>
+
 // UBSan reports with the stack that led to them (UBSAN_OPTIONS overrides it). Defined here, not
 // inline: the runtime's weak default must be overridden.
 extern "C" const char* __ubsan_default_options() { return "print_stacktrace=1"; }
@@ -91,22 +93,9 @@ inline double pick_double(FuzzedDataProvider& fdp, double lo, double hi) {
   return kEdges[fdp.ConsumeIntegralInRange<std::size_t>(0, std::size(kEdges) - 1)];
 }
 
-// Deterministic filler for tensors: small inputs still give many distinct values.
-class Rng {
- public:
-  explicit Rng(std::uint64_t seed) : s_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-1, 1).
-  float uniform() { return static_cast<float>(next() >> 40) * 0x1p-23f - 1.0f; }
-
- private:
-  std::uint64_t s_;
-};
+// Deterministic filler for tensors: small inputs still give many distinct values. The tests'
+// portable splitmix64 generator; uniform() is in [-1, 1).
+using Rng = kvtest::Rng;
 
 // How tensor values are drawn: ties and huge magnitudes stress scoring and top-k.
 enum class Fill : std::uint8_t { random, constant, few_levels, huge, tiny, nonfinite };
@@ -118,15 +107,15 @@ inline Fill pick_fill(FuzzedDataProvider& fdp, bool allow_nonfinite) {
 
 inline float fill_value(Fill f, Rng& rng, std::size_t i) {
   switch (f) {
-    case Fill::random: return rng.uniform();
+    case Fill::random: return static_cast<float>(rng.uniform());
     case Fill::constant: return 0.25f;
     case Fill::few_levels: return static_cast<float>(rng.next() % 3) - 1.0f;
-    case Fill::huge: return rng.uniform() * 3.0e38f;
-    case Fill::tiny: return rng.uniform() * 1e-40f;
+    case Fill::huge: return static_cast<float>(rng.uniform() * 3.0e38);
+    case Fill::tiny: return static_cast<float>(rng.uniform() * 1e-40);
     case Fill::nonfinite:
       return i % 7 == 3 ? std::numeric_limits<float>::quiet_NaN()
              : i % 7 == 5 ? std::numeric_limits<float>::infinity()
-                          : rng.uniform();
+                          : static_cast<float>(rng.uniform());
   }
   return 0.0f;
 }

@@ -94,7 +94,7 @@ void run_dense(const Policy& p, FuzzedDataProvider& fdp, kvp_fuzz::Rng& rng) {
     acc.resize(static_cast<std::size_t>(s.L * s.H * s.T));
     obs.resize(acc.size());
     for (std::size_t i = 0; i < acc.size(); ++i) {
-      acc[i] = std::abs(rng.uniform()) * static_cast<float>(s.T);
+      acc[i] = static_cast<float>(std::abs(rng.uniform())) * static_cast<float>(s.T);
       obs[i] = static_cast<float>(rng.next() % 8);
     }
     in.accumulated = acc.data();
