@@ -2,7 +2,19 @@
 # Installs what kvpolicy needs to build and test on Debian 12 (bookworm). Idempotent and quick
 # when everything is present: apt-get runs only if a package is missing. Run as root (or with
 # sudo available). Exits non-zero on any failure.
+#   --with-torch  also install the integrations' pinned Python packages (torch CPU, transformers,
+#                 gguf, kvpress: python/requirements-integrations.txt) into .venv, for
+#                 kvpolicy.integrations and its tests (scripts/test.sh passes it).
 set -euo pipefail
+
+WITH_TORCH=0
+for arg in "$@"; do
+  case $arg in
+    --with-torch) WITH_TORCH=1 ;;
+    -h | --help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "setup: unknown option '$arg' (valid: --with-torch)" >&2; exit 2 ;;
+  esac
+done
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache       # toolchain
@@ -69,7 +81,7 @@ fi
 # --no-build-isolation .` without downloading them again). pybind11 comes from PyPI: Debian's
 # pybind11-dev 2.10 predates NumPy 2. pip runs only when a module is missing. torch,
 # transformers and kvpress (kvpolicy.integrations.kvpress, benchmarks/kvpress_compare.py) are
-# optional and never installed here.
+# optional: --with-torch installs them.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY_MODULES=(numpy pytest scikit_build_core pybind11)
@@ -87,6 +99,16 @@ then
 else
   log "installing ${PY_PACKAGES[*]} into .venv"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
+fi
+
+if ((WITH_TORCH)); then
+  # Pinned, --no-deps: the file lists every package (torch's CUDA wheels left out on purpose).
+  # pip only checks what is already installed at these versions.
+  log "installing the integrations' pinned packages (python/requirements-integrations.txt)"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+    -r "$ROOT/python/requirements-integrations.txt"
+  "$VENV/bin/python" -c "import torch, transformers, gguf, kvpress" ||
+    { log "the integrations' packages do not import"; exit 1; }
 fi
 
 # --- Model for the reference engine -----------------------------------------------------------

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and tests everything, as CI does:
-#   1. scripts/setup.sh (system packages, .venv, the model)
+#   1. scripts/setup.sh --with-torch (system packages, .venv with the integrations' pinned
+#      packages: torch CPU, transformers, gguf, kvpress; the model)
 #   2. Release build in build/ (CUDA on when nvcc is found) and every ctest
 #   3. the Python package: pip install into .venv (build dir build-python/), then pytest
 #   4. ASan + UBSan build (RelWithDebInfo, CPU only) in build-asan/ and the ctests except the
@@ -27,7 +28,7 @@ T0=$SECONDS
 
 log() { echo "test.sh: $*"; }
 
-bash scripts/setup.sh
+bash scripts/setup.sh --with-torch
 
 # -Werror on the project's own targets (dependencies are -isystem): a new warning fails CI.
 common=(-G Ninja -DKVPOLICY_WERROR=ON)

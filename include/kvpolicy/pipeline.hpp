@@ -2,6 +2,7 @@
 // their policy use Pipeline<SnapKV, Uniform>; the runtime Policy (policy.hpp) runs the same steps
 // through detail::select_tokens.
 #pragma once
+#include <algorithm>
 #include <string>
 #include <tuple>
 
@@ -23,6 +24,14 @@ std::string_view scorer_label(const S& s) {
     return S::name;
 }
 
+// An event's layers [first_layer, first_layer + layers) must lie inside the model.
+inline void check_event_layers(const EventInfo& ev, std::int64_t layers) {
+  KVP_REQUIRE(ev.first_layer >= 0 && ev.model_layers >= 0 &&
+                  (ev.model_layers == 0 || ev.first_layer + layers <= ev.model_layers),
+              "event layers [", ev.first_layer, ", ", ev.first_layer + layers,
+              ") do not fit a model of ", ev.model_layers, " layers");
+}
+
 // One compression event's selection: validate inputs, resolve the budget, score, let the
 // allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain;
 // `req` is what that chain reads (merged over its stages), `ev` where the event sits.
@@ -34,37 +43,42 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   KVP_REQUIRE(req.order_error.empty(), req.order_error);
   validate(in, scorer.needs() | req.needs, std::max(scorer.query_window(), req.window));
   const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
-  KVP_REQUIRE(ev.first_layer >= 0 && ev.model_layers >= 0 &&
-                  (ev.model_layers == 0 || ev.first_layer + L <= ev.model_layers),
-              "event layers [", ev.first_layer, ", ", ev.first_layer + L,
-              ") do not fit a model of ", ev.model_layers, " layers");
+  check_event_layers(ev, L);
   KVP_REQUIRE(ev.alloc_state_stride == 0 || ev.alloc_state_stride >= Tk, "alloc_state_stride ",
               ev.alloc_state_stride, " is below the ", Tk, " tokens of the event");
   std::vector<std::int64_t> budgets = budget.resolve(L, H, Tk);
   const std::int64_t per_row = (L * H > 0) ? budget.global(L, H, Tk) / (L * H) : 0;
   const Protect own = scorer.protect(Tk, per_row);
-  const Protect protect{std::max(own.sinks, req.protect.sinks),
-                        std::max(own.recent, req.protect.recent)};
-  if (protect_out) *protect_out = protect;
-  const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
+  Protect protect{std::max(own.sinks, req.protect.sinks),
+                  std::max(own.recent, req.protect.recent)};
+  // A budget below the protected window (snapkv's 64 queries' window at a small budget, a short
+  // prompt) keeps what fits of it: the newest tokens first, then the sinks. The selection says so
+  // in its warning.
+  std::string warning;
   const std::int64_t n_protected = protect.total(Tk);
-  for (std::int64_t b : budgets)
-    KVP_REQUIRE(b >= Tk || b >= n_protected, "budget of ", b, " tokens per head is below the ",
-                n_protected, " tokens ", scorer_label(scorer), widened ? " and its allocators protect (" :
-                " protects (", protect.sinks, " sinks + ", protect.recent, " recent)");
+  const std::int64_t smallest = budgets.empty() ? Tk : *std::min_element(budgets.begin(), budgets.end());
+  if (smallest < n_protected) {
+    const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
+    const std::int64_t recent = std::min(protect.recent, smallest);
+    const Protect fit{std::min(protect.sinks, smallest - recent), recent};
+    const std::string newest = fit.recent ? "the newest " + std::to_string(fit.recent) : "";
+    const std::string first = fit.sinks ? "the first " + std::to_string(fit.sinks) : "";
+    warning = detail::cat("budget of ", smallest, " tokens per head is below the ", n_protected,
+                          " tokens ", scorer_label(scorer),
+                          widened ? " and its allocators protect (" : " protects (", protect.sinks,
+                          " sinks + ", protect.recent, " recent): kept ",
+                          newest.empty() && first.empty() ? "none of them"
+                          : newest.empty() || first.empty() ? newest + first
+                                                            : newest + " and " + first,
+                          " instead");
+    protect = fit;
+  }
+  if (protect_out) *protect_out = protect;
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;
   bool evicts = false;
   for (std::int64_t b : budgets) evicts = evicts || b < Tk;
-  if (!evicts && !scores_out) {  // nothing to evict: keep everything without scoring
-    Selection all(L, H);
-    for (std::int64_t r = 0; r < L * H; ++r) {
-      auto& k = all.kept(r / H, r % H);
-      k.resize(static_cast<std::size_t>(Tk));
-      for (std::int64_t j = 0; j < Tk; ++j) k[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(j);
-    }
-    return all;
-  }
+  if (!evicts && !scores_out) return Selection::all(L, H, Tk);  // keep everything, no scoring
   scorer.score(be, in, stats, scores);
   for (std::int64_t w : req.windows)
     if (in.queries.data && in.queries.tokens > 0)
@@ -82,6 +96,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   allocate(ctx, std::span<std::int64_t>(budgets));
   Selection sel;
   cpu::select(be, scores, budgets, protect, sel);
+  sel.set_warning(std::move(warning));
   return sel;
 }
 

@@ -78,12 +78,22 @@ class Policy {
                   "plug-in scorer '", n, "' has the name of a built-in stage");
       plugin_names += (plugin_names.empty() ? "" : ", ") + std::string(n);
     }
+    // A quantizer alone ("int2", "kivi(residual=64)"): keep every token, packed.
+    if (AnyQuantizer q; stages.size() == 1 &&
+                        detail::make_stage(stages[0], q, static_cast<quantizer_types*>(nullptr))) {
+      quantizer_ = q;
+      keep_all_ = true;
+      scorer_ = Streaming{};  // never scores; not the variant's default H2O (decode-time)
+      spec_ = stages[0].text;
+      return;
+    }
     if (!detail::make_stage(stages[0], scorer_, static_cast<scorer_types*>(nullptr))) {
       const External* found = nullptr;
       for (const External& p : plugins)
         if (p.plugin_name() == stages[0].name) found = &p;
       KVP_REQUIRE(found, "unknown scorer '", stages[0].name, "' (valid scorers: ", scorer_names,
-                  plugin_names.empty() ? "" : "; plug-ins: ", plugin_names, ")");
+                  plugin_names.empty() ? "" : "; plug-ins: ", plugin_names,
+                  "; or a quantizer alone: ", quant_names, ")");
       KVP_REQUIRE(stages[0].text == stages[0].name, "plug-in scorer '", stages[0].name,
                   "' takes no parameters (got '", stages[0].text, "')");
       scorer_ = *found;
@@ -120,25 +130,33 @@ class Policy {
   }
 
   const std::string& spec() const { return spec_; }
-  // The scorer's spec name (a plug-in's own name for External).
+  // True for a quantizer-only spec ("int2"): no scorer, every token is kept (and packed by a
+  // Session). Such a policy accepts only budgets that keep every token.
+  bool keeps_all() const { return keep_all_; }
+  // The scorer's spec name (a plug-in's own name for External; empty for a quantizer-only spec).
   std::string_view scorer_name() const {
+    if (keep_all_) return {};
     if (const auto* e = std::get_if<External>(&scorer_)) return e->plugin_name();
     return std::visit([](const auto& s) { return std::string_view(s.name); }, scorer_);
   }
   const AnyScorer& scorer() const { return scorer_; }
   // What the scorer and the allocators read.
   Needs needs() const {
+    if (keep_all_) return Needs::none;
     return std::visit([](const auto& s) { return s.needs(); }, scorer_) | req_.needs;
   }
   // Queries the policy reads: 0 none, -1 all of them (H2O without accumulated state). An
   // allocator that reads a bounded window (ams) turns -1 into that window: with it, the
   // accumulated statistics are the only way H2O can be served.
   std::int64_t query_window() const {
+    if (keep_all_) return 0;
     const std::int64_t s = std::visit([](const auto& s) { return s.query_window(); }, scorer_);
-    return s < 0 && req_.window > 0 ? req_.window : std::max(s, req_.window);
+    if (s < 0) return req_.window > 0 ? req_.window : -1;
+    return std::max(s, req_.window);
   }
   // Tokens always kept: the scorer's, widened by the allocators' own (ams sinks and last tokens).
   Protect protect(std::int64_t tokens, std::int64_t budget) const {
+    if (keep_all_) return {};
     const Protect p = std::visit([&](const auto& s) { return s.protect(tokens, budget); }, scorer_);
     return {std::max(p.sinks, req_.protect.sinks), std::max(p.recent, req_.protect.recent)};
   }
@@ -208,6 +226,7 @@ class Policy {
   Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
                    const EventInfo& ev, ScoreMap* scores = nullptr,
                    Protect* protect = nullptr) const {
+    if (keep_all_) return select_all(in, budget, ev, scores, protect);
     Stats stats;
     return std::visit(
         [&](const auto& s) {
@@ -230,6 +249,24 @@ class Policy {
   }
 
  private:
+  // A quantizer-only policy's selection: every token, after the same input and event checks a
+  // scorer's selection makes; a budget that would evict is refused.
+  template <Element T>
+  Selection select_all(const Inputs<T>& in, const Budget& budget, const EventInfo& ev,
+                       ScoreMap* scores, Protect* protect) const {
+    validate(in, Needs::none, 0);
+    const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
+    detail::check_event_layers(ev, L);
+    const std::int64_t kept = budget.global(L, H, Tk);
+    KVP_REQUIRE(kept >= L * H * Tk, "policy '", spec_, "' has no scorer and keeps every token; ",
+                "the budget keeps ", kept, " of ", L * H * Tk,
+                " (to evict, put a scorer first, e.g. 'snapkv | ", spec_, "')");
+    if (protect) *protect = {};
+    if (scores) scores->resize(L, H, Tk, 0.0f);
+    return Selection::all(L, H, Tk);
+  }
+
+  bool keep_all_ = false;
   AnyScorer scorer_;
   std::vector<AnyAllocator> allocators_;
   std::optional<AnyMerger> merger_;

@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <optional>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kvpolicy/cpu/attention.hpp"
@@ -397,8 +399,10 @@ class Session {
                                              one_protect[hs], h));
         }
         sel.kept(0, h) = std::move(one_sel[hs].kept(0, 0));
+        if (sel.warning().empty()) sel.set_warning(one_sel[hs].warning());
       }
     }
+    if (!sel.warning().empty()) warning_ = detail::cat("session: layer ", layer, ": ", sel.warning());
     if (L.budgets.empty()) {
       // First (prefill) compression. Where it evicted, the decode targets are what each head
       // kept (allocators may have moved budget between heads); a head that kept everything
@@ -424,10 +428,15 @@ class Session {
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       L.lengths[static_cast<std::size_t>(h)] = sel.count(0, h);
     if (const auto qc = policy_.quant_config()) {
-      // Eviction first, then the survivors go into packed caches; fp storage is released.
+      // Eviction first, then the survivors go into packed caches; fp storage is released. Each
+      // head's residual window shrinks to what its survivors allow (quant::fit_residual), so the
+      // packed cache never holds more bytes than the full-precision one it replaces.
       std::vector<quant::PackedCache> packed;
       for (std::int64_t h = 0; h < H; ++h) {
-        packed.emplace_back(*qc, d, policy_.quantizer_name());
+        quant::QuantConfig c = *qc;
+        c.residual = static_cast<int>(quant::fit_residual(
+            c, d, L.lengths[static_cast<std::size_t>(h)], static_cast<std::size_t>(2 * d) * sizeof(T)));
+        packed.emplace_back(c, d, policy_.quantizer_name());
         packed.back().append(KVView<const T>(k_mut), KVView<const T>(v_mut), 0, h, 0,
                              L.lengths[static_cast<std::size_t>(h)]);
       }
@@ -446,6 +455,9 @@ class Session {
       if (std::max<std::int64_t>(len, 1) < L.capacity) reserve(L, std::max<std::int64_t>(len, 1));
     }
   }
+  // The warning of the latest compression that departed from the policy to honour the budget
+  // (see Selection::warning), and clears it; empty when there was none since the last call.
+  std::string take_warning() { return std::exchange(warning_, std::string()); }
   // Tokens of storage per head of `layer` (valid rows are lengths(layer)).
   std::int64_t capacity(std::int64_t layer) const { return at(layer).capacity; }
 
@@ -671,6 +683,7 @@ class Session {
   std::int64_t window_ = 0;
   bool has_delimiters_ = false;  // some append() passed delimiter flags
   std::vector<Layer> layers_;
+  std::string warning_;  // see take_warning()
 };
 
 }  // namespace kvpolicy

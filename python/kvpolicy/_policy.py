@@ -3,6 +3,7 @@ DLPack producer)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,6 +25,9 @@ class CompressResult:
     past the count are stale. With ``inplace=True`` they are views of the arrays you passed.
     ``scores``: float32 ``[L][H][T]`` when ``return_scores=True`` (higher = keep).
     A 3-d input ``[H][T][d]`` gives results without the layer axis.
+    ``warning``: non-empty when the selection departed from the policy to honour the budget (a
+    budget below the scorer's protected window keeps the newest tokens); it is also issued as a
+    ``RuntimeWarning``.
     """
 
     indices: np.ndarray
@@ -31,6 +35,7 @@ class CompressResult:
     keys: Optional[np.ndarray] = None
     values: Optional[np.ndarray] = None
     scores: Optional[np.ndarray] = None
+    warning: str = ""
 
     def kept(self, layer: int, head: Optional[int] = None) -> np.ndarray:
         """Kept token indices of one (layer, head); for a 3-d input, ``kept(head)``."""
@@ -46,7 +51,8 @@ class CompressResult:
 class Policy:
     """A KV-cache compression policy built from a spec string, e.g.
     ``Policy("snapkv(window=32) | adakv")`` (scorer | allocators | merger | quantizer; see the
-    README's policy table). An unknown stage or parameter raises ValueError listing what is valid.
+    README's policy table). A quantizer alone (``Policy("int2")``) keeps every token, packed by
+    a Session; its selection accepts only budgets that keep everything. An unknown stage or parameter raises ValueError listing what is valid.
 
     Caches are ``[layers][kv_heads][tokens][head_dim]`` (or ``[kv_heads][tokens][head_dim]`` for
     one layer), float32 or float16, any non-negative strides (HND or NHD layouts as views).
@@ -139,10 +145,12 @@ class Policy:
         elif compact and np.may_share_memory(k, v):
             raise ValueError("values: shares memory with keys; compacting both in place would "
                              "corrupt them")
-        idx, counts, sc = self._p._run(k, v, q, acc, obs, kind, value, first_layer, model_layers,
-                                       compact, scores)
+        idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, kind, value, first_layer,
+                                                model_layers, compact, scores)
+        if warning:
+            warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=3)
         width = idx.shape[2]
-        res = CompressResult(idx, counts, scores=sc)
+        res = CompressResult(idx, counts, scores=sc, warning=warning)
         if compact:
             res.keys, res.values = k[:, :, :width], v[:, :, :width]
         if lifted:

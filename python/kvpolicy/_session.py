@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -64,12 +65,21 @@ class Session:
 
     def compress_if_due(self, layer: int) -> bool:
         """Compresses ``layer`` if due; True if it compacted."""
-        return self._s.compress_if_due(layer)
+        done = self._s.compress_if_due(layer)
+        self._warn()
+        return done
+
+    def _warn(self) -> None:
+        w = self._s.take_warning()
+        if w:
+            warnings.warn(f"kvpolicy: {w}", RuntimeWarning, stacklevel=3)
 
     def compress(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
         """Compresses ``layer`` now; returns (indices ``[1][H][K]`` padded with -1, counts
         ``[1][H]``), indices into the cache rows as they were before."""
-        return self._s.compress(layer)
+        out = self._s.compress(layer)
+        self._warn()
+        return out
 
     def lengths(self, layer: int) -> np.ndarray:
         """Tokens held per KV head (int64 ``[H]``)."""

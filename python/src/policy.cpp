@@ -101,7 +101,7 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpoli
     std::copy_n(map.data(), map.layers() * map.heads() * map.tokens(), a.mutable_data());
     s = a;
   }
-  return py::make_tuple(out[0], out[1], s);
+  return py::make_tuple(out[0], out[1], s, sel.warning());
 }
 
 py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& values,

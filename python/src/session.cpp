@@ -93,6 +93,7 @@ void bind_session_class(py::module_& m) {
             return out;
           },
           py::arg("layer"), py::arg("q"))
+      .def("take_warning", &S::take_warning)
       .def(
           "compress_if_due",
           [](S& s, std::int64_t layer) {

@@ -1,5 +1,7 @@
 """Policy.compress / select against hand-checkable numpy references."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -240,10 +242,37 @@ def test_bad_budgets(rng, kw, exc, msg):
         kvpolicy.Policy("knorm").select(k, v, **kw)
 
 
-def test_budget_below_protected(rng):
+def test_budget_below_protected_keeps_what_fits_with_a_warning(rng):
+    k, v = cache(rng)  # T = 40
+    with pytest.warns(RuntimeWarning, match="budget of 2 tokens per head is below the 4 tokens "
+                      r"streaming protects \(4 sinks \+ 0 recent\): kept the first 2 instead"):
+        r = kvpolicy.Policy("streaming(sinks=4)").select(k, v, budget_tokens=2)
+    assert (r.counts == 2).all() and (r.indices == [0, 1]).all()
+    assert "kept the first 2" in r.warning
+    q = np.random.default_rng(1).standard_normal((2, 6, 8, 32)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="kept the newest 5 instead"):
+        r = kvpolicy.Policy("snapkv(window=8)").select(k, v, q, budget_tokens=5)
+    assert (r.indices == np.arange(35, 40)).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at the window: no warning
+        r = kvpolicy.Policy("snapkv(window=8)").select(k, v, q, budget_tokens=8)
+    assert r.warning == ""
+
+
+def test_quantizer_alone_keeps_every_token(rng):
     k, v = cache(rng)
-    with pytest.raises(ValueError, match="budget of 2 tokens per head is below"):
-        kvpolicy.Policy("streaming(sinks=4)").select(k, v, budget_tokens=2)
+    p = kvpolicy.Policy("int2(residual=16)")
+    assert p.spec == "int2(residual=16)" and p.quantizer == "int2" and p.scorer == ""
+    assert p.needs == frozenset() and p.query_window == 0
+    r = p.select(k, v, budget=1.0)
+    assert (r.counts == 40).all() and (r.indices == np.arange(40)).all()
+    with pytest.raises(ValueError, match="has no scorer and keeps every token; the budget keeps "
+                       "60 of 240"):
+        p.select(k, v, budget=0.25)
+    s = kvpolicy.Session("int4", layers=1, kv_heads=2, q_heads=2, head_dim=32)
+    s.append(0, k[0, :2], v[0, :2])
+    assert s.compress_if_due(0)
+    assert s.lengths(0).tolist() == [40, 40]
 
 
 class DLPackOnly:

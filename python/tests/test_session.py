@@ -77,6 +77,17 @@ def test_snapkv_session_needs_queries(rng):
     assert counts.tolist() == [[8]] and (idx[0, 0, -4:] == np.arange(12, 16)).all()
 
 
+def test_session_budget_below_the_window_warns(rng):
+    s = kvpolicy.Session("snapkv(window=8)", layers=1, kv_heads=1, q_heads=2, head_dim=8,
+                         budget_tokens=3)
+    k = rng.standard_normal((1, 16, 8)).astype(np.float32)
+    s.append(0, k, k, rng.standard_normal((2, 16, 8)).astype(np.float32))
+    with pytest.warns(RuntimeWarning, match="session: layer 0: budget of 3 tokens per head is "
+                      "below the 8 tokens snapkv protects"):
+        assert s.compress_if_due(0)
+    assert s.positions(0, 0).tolist() == [13, 14, 15]
+
+
 def test_session_errors(rng):
     with pytest.raises(ValueError, match="q_heads 3 is not a positive multiple of kv_heads 2"):
         kvpolicy.Session("streaming", layers=1, kv_heads=2, q_heads=3, head_dim=8)

@@ -19,6 +19,7 @@ using namespace kvpolicy::capi;
 namespace {
 thread_local std::string t_error;
 thread_local std::string t_plugin_error;
+thread_local std::string t_warning;
 }  // namespace
 
 namespace kvpolicy::capi {
@@ -26,13 +27,16 @@ void set_error(const std::string& message) { t_error = message; }
 void clear_error() {
   t_error.clear();
   t_plugin_error.clear();
+  t_warning.clear();
 }
+void set_warning(const std::string& message) { t_warning = message; }
 std::string take_plugin_error() { return std::exchange(t_plugin_error, {}); }
 }  // namespace kvpolicy::capi
 
 // ---- Status and errors -------------------------------------------------------------------
 
 extern "C" const char* kvp_last_error(void) { return t_error.c_str(); }
+extern "C" const char* kvp_last_warning(void) { return t_warning.c_str(); }
 
 extern "C" const char* kvp_status_string(kvp_status status) {
   switch (raw_enum(status)) {
@@ -313,6 +317,7 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
       Selection sel = p.select(be, in, budget);
       if (prm.compact) detail::compact_kv(be, k, v, sel);
       write_selection(sel, *out);
+      set_warning(sel.warning());
     });
   });
 }
@@ -411,6 +416,7 @@ extern "C" kvp_status kvp_session_compress_if_due(kvp_session* session, int64_t 
     KVP_C_NONNULL(session, "session");
     check_layer(session, layer);
     const bool c = session->session.compress_if_due(layer);
+    set_warning(session->session.take_warning());
     if (compressed) *compressed = c ? 1 : 0;
   });
 }

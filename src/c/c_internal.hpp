@@ -21,6 +21,7 @@ struct CError {
 
 void set_error(const std::string& message);
 void clear_error();
+void set_warning(const std::string& message);
 std::string take_plugin_error();
 
 // Runs `f` (returning void) and turns every exception into a status and a thread-local message;

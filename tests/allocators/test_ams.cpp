@@ -302,8 +302,12 @@ TEST_CASE("ams: through a Policy, conservation and protected tokens", "[allocato
       for (std::int64_t h = 0; h < H; ++h) REQUIRE(sel.count(l, h) == std::min(B, T));
   }
   const auto c = naive::random_case<float>(rng, 1, 1, 1, 64, 8, 8, Layout::HND);
-  REQUIRE_THROWS_WITH(p.select(cpu_backend{1}, c.inputs(), Budget::tokens(30)),
-                      Contains("below the 36 tokens snapkv and its allocators protect"));
+  // Below what scorer and allocator protect: the newest 30, with a warning.
+  const Selection cut = p.select(cpu_backend{1}, c.inputs(), Budget::tokens(30));
+  CHECK(cut.count(0, 0) == 30);
+  CHECK(cut.kept(0, 0).front() == 34);
+  CHECK_THAT(cut.warning(), Contains("below the 36 tokens snapkv and its allocators protect (4 sinks + "
+                                     "32 recent): kept the newest 30 instead"));
   Inputs<float> no_q = c.inputs();
   no_q.queries = {};
   REQUIRE_THROWS_WITH(Policy("knorm | ams").select(cpu_backend{1}, no_q, Budget::tokens(40)),

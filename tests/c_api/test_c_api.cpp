@@ -296,13 +296,20 @@ TEST_CASE("C ABI: bad input gives a status and a message and writes nothing", "[
   CHECK(kvp_compress(snap, &prm, &ck, &cv, nullptr, nullptr, 0, &out.sel) ==
         KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("queries"));
-  // A budget below the protected tokens.
+  // A budget below the protected tokens: what fits of them (here the first 5 sinks), and a
+  // warning that the next call clears.
   kvp_policy* stream = make("streaming(sinks=8)");
   bad = prm;
   bad.budget = {KVP_BUDGET_PER_HEAD, 5};
-  CHECK(kvp_compress(stream, &bad, &ck, &cv, nullptr, nullptr, 0, &out.sel) ==
-        KVP_ERROR_INVALID_ARGUMENT);
-  CHECK(mentions("protect"));
+  bad.compact = 0;
+  CHECK(kvp_compress(stream, &bad, &ck, &cv, nullptr, nullptr, 0, &out.sel) == KVP_OK);
+  CHECK(out.row(1) == std::vector<std::int32_t>{0, 1, 2, 3, 4});
+  CHECK(std::string(kvp_last_warning()) ==
+        "budget of 5 tokens per head is below the 8 tokens streaming protects (8 sinks + 0 "
+        "recent): kept the first 5 instead");
+  bad.budget = {KVP_BUDGET_PER_HEAD, 9};
+  CHECK(kvp_compress(stream, &bad, &ck, &cv, nullptr, nullptr, 0, &out.sel) == KVP_OK);
+  CHECK(std::string(kvp_last_warning()).empty());
   // A merger or quantizer needs a session.
   kvp_policy* merge = make("snapkv | semantic");
   CHECK(kvp_compress(merge, &prm, &ck, &cv, nullptr, nullptr, 0, &out.sel) ==
@@ -336,6 +343,16 @@ TEST_CASE("C ABI: policy info", "[c_api]") {
   p = make("h2o");
   REQUIRE(kvp_policy_get_info(p, &info) == KVP_OK);
   CHECK(info.decode_time == 1);
+  kvp_policy_destroy(p);
+  // A quantizer alone: no scorer, reads nothing, keeps (and packs) every token.
+  p = make("int2");
+  REQUIRE(kvp_policy_get_info(p, &info) == KVP_OK);
+  CHECK(std::string(info.scorer).empty());
+  CHECK(std::string(info.spec) == "int2");
+  CHECK(info.needs == 0);
+  CHECK(info.query_window == 0);
+  CHECK(info.has_quantizer == 1);
+  CHECK(info.decode_time == 0);
   kvp_policy_destroy(p);
 }
 

@@ -113,9 +113,9 @@ TEST_CASE("compress_batch leaves the whole batch untouched when one sequence is 
   seqs = batch.seqs();
   seqs[1].queries = {};
   CHECK_THAT(run(seqs), Contains("sequence 1: queries: this policy needs the last 8 queries"));
-  // Passes every shape check; only selection finds the budget below the protected window.
-  CHECK_THAT(run(batch.seqs(), {Budget::ratio(0.5), Budget::tokens(4), Budget::ratio(0.5)}),
-             Contains("sequence 1: budget of 4 tokens per head is below the 8 tokens"));
+  // Passes every shape check; only the budget of sequence 1 is wrong.
+  CHECK_THAT(run(batch.seqs(), {Budget::ratio(0.5), Budget::tokens(-4), Budget::ratio(0.5)}),
+             Contains("sequence 1: budget is negative (-4)"));
   CHECK_THAT(run(batch.seqs(), {Budget::ratio(0.5)}), Contains("budgets: 1 budgets for 3 sequences"));
   CHECK_THAT(run(batch.seqs(), {Budget::ratio(0.5), Budget::ratio(2), Budget::ratio(0.5)}),
              Contains("sequence 1: budget ratio 2 is above 1"));
@@ -239,8 +239,8 @@ TEST_CASE("compress_paged_batch checks every request before writing", "[batch]")
   auto qs = batch.queries();
   qs[1].tokens = 4;
   CHECK_THAT(run(batch.paged(), qs), Contains("sequence 1: snapkv: needs the last 8 queries, got 4"));
-  CHECK_THAT(run(batch.paged(), batch.queries(), {Budget::ratio(0.5), Budget::tokens(3), Budget::ratio(0.5)}),
-             Contains("sequence 1: budget of 3 tokens per head is below the 8 tokens snapkv protects"));
+  CHECK_THAT(run(batch.paged(), batch.queries(), {Budget::ratio(0.5), Budget::tokens(-3), Budget::ratio(0.5)}),
+             Contains("sequence 1: budget is negative (-3)"));
   batch.pool.k[static_cast<std::size_t>(batch.pool.keys().row(1, batch.seqs[1].table[2], 0, 1) - batch.pool.k.data())] =
       std::numeric_limits<float>::infinity();
   CHECK_THAT(run(batch.paged(), batch.queries()), Contains("sequence 1: keys contains a non-finite value (inf) at layer 1, head 0, token 9"));

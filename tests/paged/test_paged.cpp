@@ -307,7 +307,7 @@ TEST_CASE("compress_paged rejects bad input before writing", "[paged]") {
   const auto k0 = pool.k, v0 = pool.v;
   CHECK_THAT(compress("snapkv(window=8) | semantic"), Contains("compress_paged: policy 'snapkv(window=8) | semantic' has a merger stage"));
   CHECK_THAT(compress("snapkv(window=8) | int2"), Contains("has a quantizer stage ('int2')"));
-  CHECK_THAT(compress("snapkv(window=8)", Budget::tokens(4)), Contains("budget of 4 tokens per head is below the 8 tokens snapkv protects"));
+  CHECK_THAT(compress("snapkv(window=8)", Budget::tokens(-4)), Contains("budget is negative (-4)"));
   CHECK_THAT(compress("snapkv(window=16)", Budget::ratio(0.8)), Contains("snapkv: needs the last 16 queries, got 8"));
   poke(pool.k, 1, 17, std::numeric_limits<float>::quiet_NaN());
   CHECK_THAT(compress("knorm"), Contains("keys contains a non-finite value (nan) at layer 1, head 1, token 17 (block 9, slot 1), dim 2"));

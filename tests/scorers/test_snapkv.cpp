@@ -99,7 +99,7 @@ TEST_CASE("snapkv: uniform attention, avg padding and recency ties", "[scorers][
 
 TEST_CASE("snapkv: window covering the whole cache", "[scorers][snapkv]") {
   // T = 8 <= window: every token is in the window, hence protected. Budget >= T keeps all;
-  // a smaller budget is below the protected count, an error (no silent clamp).
+  // a smaller budget is below the protected count: the newest tokens, with a warning.
   const auto c = weighted_case({1, 7, 2, 4, 6, 1, 1, 1});
   kvtest::Rng rng(7);
   const auto q = kvtest::random_tensor<float>(rng, 1, 1, 8, 2);
@@ -107,8 +107,11 @@ TEST_CASE("snapkv: window covering the whole cache", "[scorers][snapkv]") {
   in.queries = q.view();
   CHECK(run(snap(8, 3, Pool::avg), in, 8) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6, 7});
   CHECK(run(snap(16, 3, Pool::avg), in, 10).size() == 8);
-  REQUIRE_THROWS_WITH(run(snap(8, 3, Pool::avg), in, 7),
-                      Catch::Contains("below the 8 tokens snapkv protects"));
+  CHECK(run(snap(8, 3, Pool::avg), in, 7) == std::vector<std::int32_t>{1, 2, 3, 4, 5, 6, 7});
+  const Selection cut = Pipeline<SnapKV, Uniform>(snap(8, 3, Pool::avg), Uniform{})
+                            .select(cpu_backend{}, in, Budget::tokens(7));
+  CHECK_THAT(cut.warning(), Catch::Contains("budget of 7 tokens per head is below the 8 tokens "
+                                            "snapkv protects (0 sinks + 8 recent): kept the newest 7 instead"));
   // Too few queries for the window.
   REQUIRE_THROWS_WITH(run(snap(4, 3, Pool::avg), c.inputs(), 6), Catch::Contains("queries"));
 }

@@ -76,22 +76,74 @@ TEST_CASE("bad policy specs raise kvpolicy::Error naming the problem", "[scorers
   REQUIRE_THROWS_WITH(Policy("snapkv(kernel=4)"), Catch::StartsWith("kvpolicy: snapkv: "));
 }
 
-TEST_CASE("budgets below the protected tokens are errors", "[scorers][spec]") {
+TEST_CASE("budgets below the protected tokens keep the newest tokens, with a warning",
+          "[scorers][spec]") {
   kvtest::Rng rng(11);
   const auto c = naive::random_case<float>(rng, 1, 2, 2, 20, 20, 4, Layout::HND);
   const auto in = c.inputs();
-  REQUIRE_THROWS_WITH(Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(5)),
-                      Catch::Contains("below the 8 tokens snapkv protects"));
-  REQUIRE_THROWS_WITH(
-      Policy("snapkv(window=8,sinks=2)").select(cpu_backend{}, in, Budget::tokens(9)),
-      Catch::Contains("below the 10 tokens snapkv protects"));
-  REQUIRE_THROWS_WITH(Policy("h2o(sinks=4)").select(cpu_backend{}, in, Budget::tokens(3)),
-                      Catch::Contains("protects"));
-  REQUIRE_THROWS_WITH(Policy("tova").select(cpu_backend{}, in, Budget::tokens(0)),
-                      Catch::Contains("below the 1 tokens tova protects"));
-  // Exactly the protected count is fine: the window alone.
+  auto kept = [](const Selection& s, std::int64_t h) {
+    return std::vector<std::int32_t>(s.kept(0, h).begin(), s.kept(0, h).end());
+  };
+  // The window cut to the budget: tokens 15..19 of 20.
+  const Selection a = Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(5));
+  for (std::int64_t h = 0; h < 2; ++h) CHECK(kept(a, h) == std::vector<std::int32_t>{15, 16, 17, 18, 19});
+  CHECK_THAT(a.warning(), Catch::Contains("budget of 5 tokens per head is below the 8 tokens snapkv "
+                                          "protects (0 sinks + 8 recent): kept the newest 5 instead"));
+  // The whole window first, then what is left of the sinks.
+  const Selection b =
+      Policy("snapkv(window=8,sinks=2)").select(cpu_backend{}, in, Budget::tokens(9));
+  CHECK(kept(b, 0) == std::vector<std::int32_t>{0, 12, 13, 14, 15, 16, 17, 18, 19});
+  CHECK_THAT(b.warning(), Catch::Contains("below the 10 tokens snapkv protects (2 sinks + 8 recent): "
+                                          "kept the newest 8 and the first 1 instead"));
+  // h2o's recent share already fits its budget; its sinks do not: the first 3.
+  const Selection c3 = Policy("h2o(sinks=4)").select(cpu_backend{}, in, Budget::tokens(3));
+  CHECK(kept(c3, 1) == std::vector<std::int32_t>{0, 1, 2});
+  CHECK_THAT(c3.warning(), Catch::Contains("(4 sinks + 0 recent): kept the first 3 instead"));
+  // A budget of 0 keeps nothing.
+  const Selection d = Policy("tova").select(cpu_backend{}, in, Budget::tokens(0));
+  CHECK(d.count(0, 0) == 0);
+  CHECK_THAT(d.warning(), Catch::Contains("below the 1 tokens tova protects (0 sinks + 1 recent): kept none of them instead"));
+  // Exactly the protected count: the window alone, no warning.
   const Selection sel = Policy("snapkv(window=8)").select(cpu_backend{}, in, Budget::tokens(8));
   CHECK(sel.kept(0, 1).front() == 12);
+  CHECK(sel.warning().empty());
+}
+
+TEST_CASE("query_window: -1 (every query) for h2o unless an allocator bounds it",
+          "[scorers][spec]") {
+  // Regression: h2o's -1 was maxed with the allocators' 0 into "no queries", so callers that
+  // size the queries they pass by it (the kvpress adapter) passed none.
+  CHECK(Policy("h2o").query_window() == -1);
+  CHECK(Policy("h2o | adakv").query_window() == -1);
+  CHECK(Policy("h2o | ams").query_window() == 32);
+  CHECK(Policy("snapkv(window=16) | ams").query_window() == 32);
+  CHECK(Policy("knorm").query_window() == 0);
+}
+
+TEST_CASE("a quantizer alone keeps every token", "[scorers][spec]") {
+  kvtest::Rng rng(12);
+  const auto c = naive::random_case<float>(rng, 1, 2, 2, 20, 20, 4, Layout::HND);
+  const auto in = c.inputs();
+  for (const char* spec : {"int2", "int4", "kivi", "int2(residual=16)"}) {
+    const Policy p(spec);
+    CHECK(p.spec() == spec);
+    CHECK(p.keeps_all());
+    CHECK(p.scorer_name().empty());
+    CHECK(p.quant_config().has_value());
+    CHECK(p.needs() == Needs::none);
+    CHECK(p.query_window() == 0);
+    CHECK_FALSE(p.decode_time());
+    const Selection s = p.select(cpu_backend{}, in, Budget::ratio(1.0));
+    for (std::int64_t h = 0; h < 2; ++h) CHECK(s.count(0, h) == 20);
+    CHECK(s.kept(0, 1).back() == 19);
+    CHECK_THROWS_WITH(p.select(cpu_backend{}, in, Budget::ratio(0.5)),
+                      Catch::Contains(std::string("policy '") + spec + "' has no scorer and keeps every "
+                                      "token; the budget keeps 20 of 40"));
+  }
+  CHECK_FALSE(Policy("snapkv | int2").keeps_all());
+  // Only alone: a quantizer first with other stages after it is still an unknown scorer.
+  CHECK_THROWS_WITH(Policy("int2 | adakv"), Catch::Contains("unknown scorer 'int2'"));
+  CHECK_THROWS_WITH(Policy("nope"), Catch::Contains("or a quantizer alone: int2, int4, kivi"));
 }
 
 }  // namespace kvt_scorers_spec

@@ -32,6 +32,10 @@ class Tracked {
     std::vector<StoredRow> stored;  // quantized layers: each row's stored form
     std::vector<std::byte> tiles;   // quantized layers: bytes of the tiles checked so far
     std::int64_t tiles_checked = 0;
+    // Quantized layers: the residual window fitted at the compression (quant::fit_residual), and
+    // whether it bounds the packed cache's bytes by the plain rows' (quant::packed_never_exceeds).
+    std::int64_t residual = 0;
+    bool bytes_bounded = false;
     std::int64_t rows() const { return static_cast<std::int64_t>(pos.size()); }
   };
   struct Layer {
@@ -422,6 +426,14 @@ class Tracked {
     if (prefill && plan_.quant) {
       L.quantized = true;
       for (Head& m : L.heads) {
+        m.residual = kvpolicy::quant::fit_residual(*plan_.quant, d_, m.rows(),
+                                                   static_cast<std::size_t>(2 * d_) * sizeof(T));
+        kvpolicy::quant::QuantConfig fitted = *plan_.quant;
+        fitted.residual = static_cast<int>(m.residual);
+        m.bytes_bounded = kvpolicy::quant::packed_never_exceeds(
+            fitted, d_, m.rows(), static_cast<std::size_t>(2 * d_) * sizeof(T));
+        if (m.rows() >= plan_.quant->group && sizeof(T) == 4)  // fp32 rows: always bounded
+          require(m.bytes_bounded, "layer ", l, ": ", m.rows(), " fp32 survivors, no bounded window");
         m.stored.clear();
         for (std::int64_t r = 0; r < m.rows(); ++r)
           m.stored.push_back(stored_form(*plan_.quant, m.k.data() + r * d_, m.v.data() + r * d_, d_));
@@ -629,10 +641,16 @@ class Tracked {
     const auto& qc = *plan_.quant;
     const auto& p = s_.packed(l, h);
     const std::int64_t size = m.rows(), G = qc.group;
-    const std::int64_t packed = G * std::min((std::max<std::int64_t>(0, size - qc.residual) + G - 1) / G, size / G);
+    require(m.residual <= qc.residual && p.config().residual == m.residual, "layer ", l, " head ",
+            h, ": residual window ", p.config().residual, ", expected ", m.residual, " (of ",
+            qc.residual, ")");
+    const std::int64_t packed = G * std::min((std::max<std::int64_t>(0, size - m.residual) + G - 1) / G, size / G);
     require(p.size() == size && p.packed_tokens() == packed && p.tiles() * G == packed, "layer ", l,
             " head ", h, ": packed cache holds ", p.size(), " tokens, ", p.packed_tokens(),
             " packed; expected ", size, ", ", packed);
+    require(!m.bytes_bounded || p.memory_bytes() <= static_cast<std::size_t>(size * 2 * d_) * sizeof(T),
+            "layer ", l, " head ", h, ": packed cache holds ", p.memory_bytes(), " bytes, more than ",
+            size, " plain rows");
     const std::size_t bb = BlockRef::bytes(qc.bits, qc.group);
     const std::size_t kts = static_cast<std::size_t>(d_) * bb + (qc.token_norm ? 4 * static_cast<std::size_t>(G) : 0);
     const std::size_t vts = static_cast<std::size_t>(d_) * bb;

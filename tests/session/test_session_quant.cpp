@@ -104,6 +104,69 @@ TEST_CASE("Session quantizer: evict, then pack the survivors - attention reads t
   }
 }
 
+TEST_CASE("Session quantizer: x | int2 never holds more bytes than x (residual fitted)",
+          "[session][quant]") {
+  // kv_bytes of the packed session against the same eviction without the quantizer, after the
+  // prefill compression and after every decode append. The default residual window (128
+  // tokens) shrinks to what the survivors allow (quant::fit_residual).
+  const std::int64_t S = 300, steps = 80;
+  const Tokens t = random_tokens(S + steps, 33);
+  for (const double ratio : {0.11, 0.2, 0.5, 1.0}) {
+    for (const char* quant : {"int2", "int4", "kivi"}) {
+      CAPTURE(ratio, quant);
+      Session<float> q(Policy(std::string("snapkv(window=8) | ") + quant), quant_config(Budget::ratio(ratio)));
+      Session<float> fp(Policy("snapkv(window=8)"), quant_config(Budget::ratio(ratio)));
+      for (auto* s : {&q, &fp}) {
+        s->append(0, t.K(0, S), t.V(0, S), t.Q(0, S));
+        s->compress_if_due(0);
+      }
+      REQUIRE(q.quantized(0));
+      const std::int64_t n = q.length(0, 0);
+      const std::int64_t r = q.packed(0, 0).config().residual;
+      CAPTURE(n, r);
+      CHECK(r <= 128);
+      if (n >= 128 + 2 * 32) CHECK(r == 128);  // room for the whole window: not shrunk
+      if (n < 128) CHECK(r < 128);
+      CHECK(q.kv_bytes() <= fp.kv_bytes());
+      for (std::int64_t i = 0; i < steps; ++i) {
+        for (auto* s : {&q, &fp}) s->append(0, t.K(S + i, 1), t.V(S + i, 1), t.Q(S + i, 1));
+        REQUIRE(q.kv_bytes() <= fp.kv_bytes());
+      }
+    }
+  }
+  // Below one group of survivors nothing can be packed: the fp32 residual rows and their key
+  // norms cost 4 bytes per token more than fp32 rows (the documented exception).
+  Session<float> q(Policy("snapkv(window=8) | int2"), quant_config(Budget::tokens(20)));
+  Session<float> fp(Policy("snapkv(window=8)"), quant_config(Budget::tokens(20)));
+  for (auto* s : {&q, &fp}) {
+    s->append(0, t.K(0, S), t.V(0, S), t.Q(0, S));
+    s->compress_if_due(0);
+  }
+  CHECK(q.packed(0, 0).config().residual == 0);
+  CHECK(q.kv_bytes() == fp.kv_bytes() + 4 * kHkv * 20);
+}
+
+TEST_CASE("Session quantizer: a quantizer alone keeps and packs every token", "[session][quant]") {
+  const std::int64_t S = 100;
+  const Tokens t = random_tokens(S + 1, 8);
+  Session<float> q(Policy("int4(residual=16)"), quant_config(Budget::ratio(1.0)));
+  q.append(0, t.K(0, S), t.V(0, S));  // no queries: the policy reads none
+  CHECK(q.compress_if_due(0));
+  REQUIRE(q.quantized(0));
+  for (std::int64_t h = 0; h < kHkv; ++h) {
+    CHECK(q.length(0, h) == S);
+    CHECK(q.packed(0, h).packed_tokens() == 96);  // residual 16 fits: ceil(84 / 32) groups
+  }
+  std::vector<float> out(kHq * kD);
+  q.append(0, t.K(S, 1), t.V(S, 1));
+  q.attend(0, t.Q(S, 1), out.data());
+  CHECK(kvtest::max_rel_err(out, dequantized_attention(q, t.Q(S, 1))) < 1e-4);
+  // A budget that would evict needs a scorer.
+  Session<float> e(Policy("int2"), quant_config(Budget::ratio(0.5)));
+  e.append(0, t.K(0, S), t.V(0, S));
+  CHECK_THROWS_WITH(e.compress_if_due(0), Contains("has no scorer and keeps every token"));
+}
+
 TEST_CASE("Session quantizer: what a packed cache cannot do is rejected", "[session][quant]") {
   CHECK_THROWS_WITH(Session<float>(Policy("h2o | int2"), quant_config(Budget::ratio(0.5))),
                     Contains("h2o evicts at every step"));

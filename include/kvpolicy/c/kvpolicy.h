@@ -67,6 +67,11 @@ typedef enum kvp_status {
 /* The message of the last failing call on this thread ("" if none); valid until the next
  * kvpolicy call on this thread. */
 KVP_API const char* kvp_last_error(void);
+/* The warning of the last call on this thread that succeeded but departed from the policy to
+ * honour the budget ("" if none): a budget below the scorer's protected window keeps the newest
+ * tokens (kvp_compress, kvp_session_compress_if_due). Valid until the next kvpolicy call on
+ * this thread. */
+KVP_API const char* kvp_last_warning(void);
 /* A static name for a status ("KVP_OK", ...). */
 KVP_API const char* kvp_status_string(kvp_status status);
 /* Library version "major.minor.patch" and the ABI version it implements (KVP_ABI_VERSION). */

@@ -15,11 +15,17 @@ class Error : public std::invalid_argument {
 };
 
 namespace detail {
+// The arguments streamed into one string.
 template <class... Args>
-[[noreturn]] void fail(Args&&... args) {
+std::string cat(Args&&... args) {
   std::ostringstream os;
   (os << ... << std::forward<Args>(args));
-  throw Error(os.str());
+  return os.str();
+}
+
+template <class... Args>
+[[noreturn]] void fail(Args&&... args) {
+  throw Error(cat(std::forward<Args>(args)...));
 }
 }  // namespace detail
 

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kvpolicy/core/error.hpp"
@@ -14,6 +16,16 @@ class Selection {
   Selection() = default;
   Selection(std::int64_t layers, std::int64_t heads)
       : layers_(layers), heads_(heads), lists_(static_cast<std::size_t>(layers * heads)) {}
+
+  // Every token of every row kept.
+  static Selection all(std::int64_t layers, std::int64_t heads, std::int64_t tokens) {
+    Selection s(layers, heads);
+    for (auto& row : s.lists_) {
+      row.resize(static_cast<std::size_t>(tokens));
+      for (std::int64_t j = 0; j < tokens; ++j) row[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(j);
+    }
+    return s;
+  }
 
   std::int64_t layers() const { return layers_; }
   std::int64_t heads() const { return heads_; }
@@ -45,7 +57,14 @@ class Selection {
       }
   }
 
+  // Set when the selection departed from the policy as specified to honour the budget (a budget
+  // below the scorer's protected window keeps only the newest tokens): the reason, for the caller
+  // to pass on as a warning. Empty otherwise.
+  const std::string& warning() const { return warning_; }
+  void set_warning(std::string w) { warning_ = std::move(w); }
+
  private:
+  std::string warning_;
   std::int64_t layers_ = 0, heads_ = 0;
   std::vector<std::vector<std::int32_t>> lists_;
 };

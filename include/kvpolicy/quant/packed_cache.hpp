@@ -57,6 +57,49 @@ struct UninitAllocator : std::allocator<T> {
 };
 }  // namespace detail
 
+// Tokens packed once a cache of `config` holds `size` tokens (the formula above).
+inline std::int64_t packed_tokens_at(const QuantConfig& config, std::int64_t size) {
+  const std::int64_t G = config.group;
+  return G * std::min((std::max<std::int64_t>(0, size - config.residual) + G - 1) / G, size / G);
+}
+
+// Bytes a cache of `config` holds at `size` tokens (memory_bytes(), without buffer slack).
+inline std::size_t packed_bytes_at(const QuantConfig& config, std::int64_t head_dim,
+                                   std::int64_t size) {
+  const std::int64_t p = packed_tokens_at(config, size);
+  return static_cast<std::size_t>(p / config.group) *
+             (key_tile_bytes(config, head_dim) + value_tile_bytes(config, head_dim)) +
+         static_cast<std::size_t>((size - p) * (2 * head_dim + 1)) * sizeof(float);
+}
+
+// True when a cache of `config` that starts with `tokens` tokens and then grows never holds more
+// bytes than those tokens at `plain_bytes_per_token` each (the full-precision cache it
+// replaces): packed_bytes_at(s) <= s * plain_bytes_per_token for every s >= tokens. One growth
+// cycle (residual + 2 * group sizes) is checked: past it the residual's bytes repeat and each
+// further packed group only adds savings, as every format here packs a token into fewer bytes
+// than an fp16 row.
+inline bool packed_never_exceeds(const QuantConfig& config, std::int64_t head_dim,
+                                 std::int64_t tokens, std::size_t plain_bytes_per_token) {
+  for (std::int64_t s = tokens; s < tokens + config.residual + 2 * config.group; ++s)
+    if (packed_bytes_at(config, head_dim, s) > static_cast<std::size_t>(s) * plain_bytes_per_token)
+      return false;
+  return true;
+}
+
+// The residual window a Session gives a head that starts with `tokens` survivors: the largest
+// window <= config.residual with which packed_never_exceeds holds. Where none does (fewer than
+// `group` survivors: nothing can be packed, and fp32 rows plus key norms cost more than fp32 or
+// fp16 rows; with fp16 rows also some counts just past a group boundary), 0: the fewest bytes
+// the format allows.
+inline std::int64_t fit_residual(QuantConfig config, std::int64_t head_dim, std::int64_t tokens,
+                                 std::size_t plain_bytes_per_token) {
+  for (std::int64_t r = config.residual; r > 0; --r) {
+    config.residual = static_cast<int>(r);
+    if (packed_never_exceeds(config, head_dim, tokens, plain_bytes_per_token)) return r;
+  }
+  return 0;
+}
+
 class PackedCache {
  public:
   PackedCache() = default;
@@ -102,10 +145,7 @@ class PackedCache {
   }
 
   // Tokens packed once the cache holds `size` tokens (the formula at the top).
-  std::int64_t packed_target(std::int64_t size) const {
-    const std::int64_t G = config_.group;
-    return G * std::min((std::max<std::int64_t>(0, size - config_.residual) + G - 1) / G, size / G);
-  }
+  std::int64_t packed_target(std::int64_t size) const { return packed_tokens_at(config_, size); }
 
   // Appends n tokens: k, v contiguous [n][d] fp32 in original space (finite). A token with a
   // non-finite element throws; the tokens before it are appended.

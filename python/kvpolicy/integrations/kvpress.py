@@ -12,33 +12,42 @@ hook); the press computes what the policy reads from the layer (post-RoPE querie
 the model returns them), calls ``kvpolicy.Policy.select`` on CPU copies (zero-copy for float32 /
 float16 CPU tensors) and gathers the kept rows into the cache.
 
-What transformers' cache cannot hold, and what the press therefore refuses or approximates:
-- ragged per-head budgets (adakv, ams, and any head-level allocator): a DynamicCache layer is
-  one rectangular tensor, so every head keeps as many rows as the layer's longest one, filled up
-  with its best-scored evicted tokens (``kvpolicy.integrations.rectangular``); the selection is
-  kvpolicy's, the memory saving is that of the longest row. ``kept_counts`` records the real
-  per-head counts of the last call.
+Budgets mean kept tokens: ``compression_ratio`` removes that fraction of each layer's tokens
+(kept per head = max(1, int(T * (1 - ratio))), as kvpress's ScorerPress computes it), and every
+head attends to exactly what the policy kept for it:
+- ragged per-head budgets (adakv, ams, pyramid across layers): a DynamicCache layer is one
+  rectangular tensor and transformers builds one attention mask from layer 0's length, so every
+  layer holds as many rows as the longest head of the model. The rows a head did not keep (its
+  best-scored evicted tokens, ``kvpolicy.integrations.rectangular``, and padding) are masked out
+  of attention with kvpress's key masking, as kvpress's AdaKVPress does (``ragged="mask"``, the
+  default; needs a non-eager attention implementation, which kvpress patches). ``ragged="attend"``
+  lets the filled-in tokens take part in attention instead (more tokens than asked for).
+  ``kept_fraction`` reports the tokens the policy kept, ``held_fraction`` the rows the cache
+  holds (the memory), both over the last prefill.
+- a budget below the scorer's protected window (snapkv's 64-query window on a short prompt)
+  keeps the newest tokens up to the budget, with a RuntimeWarning.
+
+What transformers' cache cannot hold, and what the press therefore refuses:
 - mergers (semantic, nearest): their rows carry log(count), which attention must add to the
-  logits; transformers' attention has no such term. Rejected.
-- quantizers (int2, int4, kivi): packed tiles need kvpolicy's packed attention. Rejected (use
-  transformers' QuantizedCache separately if you want quantization).
+  logits; transformers' attention has no such term.
+- quantizers (int2, int4, kivi, alone or after a scorer): packed tiles need kvpolicy's packed
+  attention (kvpolicy.Session); transformers' cache stores full-precision rows.
 - decode-time eviction (h2o at every step, Session.decode_interval): kvpress compresses the
   prefill only; h2o here is its prefill form (accumulated attention of the prompt's queries,
-  kvpress's ObservedAttention).
+  kvpress's ObservedAttention, which needs ``attn_implementation="eager"``).
 - state across events (h2o sums during decoding, ams credit): none, one event per layer.
-kvpress's ObservedAttentionPress is ``h2o(recent_tokens=0,normalize=true)`` here (attention
-weights needed: load the model with ``attn_implementation="eager"``).
+kvpress's ObservedAttentionPress is ``h2o(recent_tokens=0,normalize=true)`` here.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 try:
     import torch
-    from kvpress.presses.base_press import BasePress
+    from kvpress.presses.base_press import BasePress, is_prefilling
 except ImportError as e:  # pragma: no cover - depends on the optional packages
     raise ImportError("kvpolicy.integrations.kvpress needs torch and kvpress "
                       "(pip install kvpress); kvpolicy itself does not depend on them") from e
@@ -77,36 +86,109 @@ def _host(x: "torch.Tensor") -> "torch.Tensor":
     return x
 
 
+def _uses_eager(module: Any) -> bool:
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) == "eager"
+
+
 @dataclass
 class KVPolicyPress(BasePress):
     """kvpress press running a kvpolicy spec. ``compression_ratio``: fraction of each layer's
     tokens removed (kvpress's convention; kept per head = max(1, int(T * (1 - ratio))), as
-    kvpress's ScorerPress computes it)."""
+    kvpress's ScorerPress computes it). ``ragged``: "mask" (default) or "attend", what the rows
+    a head did not keep do in attention (see the module docstring)."""
 
     spec: str = "snapkv"
     compression_ratio: float = 0.0
+    ragged: str = "mask"
     timings: List[Tuple[int, float]] = field(default_factory=list, repr=False)
     kept_counts: Optional[np.ndarray] = field(default=None, repr=False)
     last_selection: List[Any] = field(default_factory=list, repr=False)
+    # Per layer of the last prefill, summed over batch rows and KV heads: (tokens before
+    # compression, tokens the policy kept, rows the cache holds).
+    layer_stats: Dict[int, Tuple[int, int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.compression_ratio < 1.0:
             raise ValueError(f"compression_ratio: {self.compression_ratio} is outside [0, 1)")
+        if self.ragged not in ("mask", "attend"):
+            raise ValueError(f"ragged: '{self.ragged}' is not 'mask' or 'attend'")
         self.policy = Policy(self.spec)
         if self.policy.merger:
             raise ValueError(f"spec: merger '{self.policy.merger}' needs log(count) in the "
                              "attention logits, which transformers' attention does not add")
         if self.policy.quantizer:
             raise ValueError(f"spec: quantizer '{self.policy.quantizer}' needs kvpolicy's packed "
-                             "attention; transformers' cache stores full-precision rows")
+                             "attention (kvpolicy.Session); transformers' cache stores "
+                             "full-precision rows")
         self.model_layers = 0
+        self._modules: Dict[int, Any] = {}
 
-    def __post_init_from_model__(self, model: Any) -> None:
+    def post_init_from_model(self, model: Any) -> None:
+        """kvpress calls this when the press is entered (``with press(model)``)."""
         self.model_layers = int(model.config.num_hidden_layers)
+
+    # The spelling of kvpress releases before 0.5 (and of earlier kvpolicy versions).
+    __post_init_from_model__ = post_init_from_model
+
+    @property
+    def kept_fraction(self) -> float:
+        """Tokens the policy kept / tokens before compression, over the last prefill."""
+        tokens = sum(t for t, _, _ in self.layer_stats.values())
+        return sum(k for _, k, _ in self.layer_stats.values()) / tokens if tokens else 1.0
+
+    @property
+    def held_fraction(self) -> float:
+        """Cache rows held / tokens before compression, over the last prefill (the memory)."""
+        tokens = sum(t for t, _, _ in self.layer_stats.values())
+        return sum(h for _, _, h in self.layer_stats.values()) / tokens if tokens else 1.0
+
+    def forward_hook(self, module: Any, input: Any, kwargs: dict, output: Any) -> Any:
+        output = super().forward_hook(module, input, kwargs, output)
+        q_len = kwargs["hidden_states"].shape[1]
+        if (is_prefilling(kwargs["cache_position"], q_len) and self.compression_ratio > 0
+                and self.model_layers > 0 and int(module.layer_idx) == self.model_layers - 1):
+            self._equalize(kwargs["past_key_values"])
+        return output
+
+    def _equalize(self, cache: Any) -> None:
+        """Pads every layer to the model's longest, the padding masked: one attention mask from
+        layer 0's length must fit every layer for any later multi-token forward."""
+        lengths = {l: cache.layers[l].keys.shape[2] for l in self._modules}
+        width = max(lengths.values(), default=0)
+        for l, n in lengths.items():
+            if n == width:
+                continue
+            module = self._modules[l]
+            if _uses_eager(module):
+                raise RuntimeError(
+                    f"KVPolicyPress('{self.spec}'): layers keep different numbers of rows, and "
+                    "masking the padding needs kvpress's attention patch, which transformers' "
+                    "eager attention does not run; load the model with attn_implementation="
+                    "'sdpa' (or use a spec with the same budget in every layer)")
+            layer = cache.layers[l]
+            B, H = layer.keys.shape[:2]
+            pad = width - n
+            layer.keys = torch.cat([layer.keys, layer.keys[:, :, :1].expand(-1, -1, pad, -1)], 2)
+            layer.values = torch.cat([layer.values, layer.values[:, :, :1].expand(-1, -1, pad, -1)],
+                                     2)
+            b, h, t = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(n, width),
+                                     indexing="ij")
+            extra = (b.flatten(), h.flatten(), t.flatten())
+            old = getattr(module, "masked_key_indices", None)
+            module.masked_key_indices = extra if old is None else tuple(
+                torch.cat([o, e.to(o.device)]) for o, e in zip(old, extra))
+            tokens, kept, _ = self.layer_stats[l]
+            self.layer_stats[l] = (tokens, kept, B * H * width)
 
     def compress(self, module: Any, hidden_states: "torch.Tensor", keys: "torch.Tensor",
                  values: "torch.Tensor", attentions: Optional["torch.Tensor"],
                  kwargs: dict) -> Tuple["torch.Tensor", "torch.Tensor"]:
+        layer_idx = int(module.layer_idx)
+        if layer_idx == 0:
+            self.layer_stats = {}
+            self._modules = {}
+        module.masked_key_indices = None
         if self.compression_ratio == 0:
             return keys, values
         t0 = time.perf_counter()
@@ -137,7 +219,7 @@ class KVPolicyPress(BasePress):
                                    budget_tokens=n_keep,
                                    accumulated=None if acc is None else acc[b:b + 1],
                                    observed=obs,
-                                   return_scores=True, first_layer=int(module.layer_idx),
+                                   return_scores=True, first_layer=layer_idx,
                                    model_layers=self.model_layers)
             rows.append(r)
             counts.append(r.counts[0])
@@ -145,8 +227,21 @@ class KVPolicyPress(BasePress):
         idx = np.stack([rectangular_indices(r, width)[0] for r in rows])  # [B][H][width]
         self.kept_counts = np.stack(counts)
         self.last_selection = rows  # kvpolicy's own (possibly ragged) selections, per batch row
+        self._modules[layer_idx] = module
+        self.layer_stats[layer_idx] = (B * H * T, int(self.kept_counts.sum()), B * H * width)
+        if self.ragged == "mask" and int(self.kept_counts.min()) < width:
+            # Positions (in the gathered rows) of tokens a head did not keep: masked out.
+            filled = np.stack([~np.isin(idx[b, h], rows[b].kept(0, h)) for b in range(B)
+                               for h in range(H)]).reshape(B, H, width)
+            if _uses_eager(module):
+                raise RuntimeError(
+                    f"KVPolicyPress('{self.spec}'): heads keep different numbers of tokens, and "
+                    "masking the fill-up needs kvpress's attention patch, which transformers' "
+                    "eager attention does not run; load the model with attn_implementation="
+                    "'sdpa', or pass ragged='attend' to let the filled-in tokens take part")
+            module.masked_key_indices = tuple(torch.from_numpy(a) for a in np.nonzero(filled))
         gather = torch.from_numpy(idx).to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         keys = keys.gather(2, gather).contiguous()
         values = values.gather(2, gather).contiguous()
-        self.timings.append((int(module.layer_idx), time.perf_counter() - t0))
+        self.timings.append((layer_idx, time.perf_counter() - t0))
         return keys, values
