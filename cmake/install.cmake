@@ -2,8 +2,9 @@
 #   find_package(kvpolicy CONFIG REQUIRED)          -> kvpolicy::kvpolicy (headers) and
 #                                                      kvpolicy::c (the C ABI shared library)
 #   find_package(kvpolicy CONFIG REQUIRED COMPONENTS cuda)   -> also kvpolicy::cuda
-# Layout under the prefix: include/kvpolicy/..., <libdir>/cmake/kvpolicy/*.cmake and, when the
-# CUDA target was built, its library in <libdir>.
+# Layout under the prefix: include/kvpolicy/..., <libdir>/cmake/kvpolicy/*.cmake, the C ABI
+# library in <libdir>, the command-line tool in bin/ and, when the CUDA target was built, its
+# library in <libdir>.
 # KVPOLICY_INSTALL (top-level CMakeLists.txt) turns them off, e.g. under add_subdirectory.
 if(NOT KVPOLICY_INSTALL)
   return()
@@ -31,6 +32,13 @@ if(TARGET kvpolicy_c)
   install(TARGETS kvpolicy_c EXPORT kvpolicyTargets
           ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Development
           LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT kvpolicy_Runtime
+          RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT kvpolicy_Runtime)
+endif()
+
+# The command-line tool (src/cli/, `kvpolicy compress`), when built: <prefix>/bin/kvpolicy. Not part
+# of the exported targets (nothing links against it).
+if(TARGET kvpolicy_cli)
+  install(TARGETS kvpolicy_cli
           RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT kvpolicy_Runtime)
 endif()
 

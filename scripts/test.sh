@@ -4,6 +4,7 @@
 #      packages: torch CPU, transformers, gguf, kvpress; the model)
 #   2. Release build in build/ (CUDA on when nvcc is found) and every ctest
 #   3. the Python package: pip install into .venv (build dir build-python/), then pytest
+#      (python/tests; then tests/cli on step 2's command-line tool, with the binding comparisons)
 #   4. ASan + UBSan build (RelWithDebInfo, CPU only) in build-asan/ and the ctests except the
 #      slow, sanitizer-neutral ones (labels packaging, compile_fail)
 #   5. ThreadSanitizer (scripts/tsan.sh) and fuzzing, every libFuzzer target for 30 s
@@ -31,7 +32,8 @@ log() { echo "test.sh: $*"; }
 bash scripts/setup.sh --with-torch
 
 # -Werror on the project's own targets (dependencies are -isystem): a new warning fails CI.
-common=(-G Ninja -DKVPOLICY_WERROR=ON)
+# The command-line tool's tests (ctest cli.compress) run with the venv's python (numpy, pytest).
+common=(-G Ninja -DKVPOLICY_WERROR=ON "-DKVPOLICY_TEST_PYTHON=$PWD/.venv/bin/python")
 have_ccache=0
 if command -v ccache >/dev/null 2>&1; then
   have_ccache=1
@@ -104,12 +106,20 @@ if stage release-configure cmake -S . -B "$BUILD_DIR" "${common[@]}" "${cuda[@]}
 fi
 
 # 2. Python package: build the extension (build-python/, ccache) into .venv, which setup.sh made
-# with the build requirements, then the pytest tests (numpy only).
+# with the build requirements, then the pytest tests (numpy only). Then tests/cli again on the
+# Release build's command-line tool, now with its comparisons against the freshly installed
+# binding (marker `binding`; the ctest cli.compress, which runs before the install, deselects
+# them). A pytest run of its own: both folders have a conftest.py, which one pytest process
+# cannot import side by side.
 if stage python-install env CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
      .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check \
      --config-settings=cmake.define.KVPOLICY_WERROR=ON . ; then
   stage python-pytest logged python-pytest .venv/bin/python -m pytest python/tests -q -rs || true
   note_skips python-pytest
+  stage cli-pytest logged cli-pytest \
+    env KVPOLICY_CLI="$(realpath -m "$BUILD_DIR/src/cli/kvpolicy")" \
+    .venv/bin/python -m pytest tests/cli -q -rs || true
+  note_skips cli-pytest
 fi
 
 # 3. Sanitizer build. LeakSanitizer needs ptrace, which some containers forbid: probe it.

@@ -3,6 +3,7 @@
 #   -DBUILD_DIR=<kvpolicy build>  -DSOURCE_DIR=<tests/consumer>  -DWORK_DIR=<scratch>
 #   -DGENERATOR=<cmake generator> -DCXX_COMPILER=<path>  [-DLAUNCHER=ccache] [-DCONFIG=Release]
 #   [-DSOURCE_INCLUDE=<kvpolicy's include/>: the consumer must not compile against it]
+#   [-DCLI_EXE=<the command-line tool, relative to the prefix>: must be installed and run]
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "run.cmake: -D${var}=... is required")
@@ -26,6 +27,12 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 
 message(STATUS "installing kvpolicy into ${prefix}")
 step("${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefix}" --config "${CONFIG}")
+
+# The command-line tool, when the build has one (-DCLI_EXE=<path under the prefix>): installed
+# and runs.
+if(CLI_EXE)
+  step("${prefix}/${CLI_EXE}" compress --help)
+endif()
 
 # The consumer must find kvpolicy in the prefix only: no package registry, no source tree.
 set(launcher_arg "")
