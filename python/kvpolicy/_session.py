@@ -100,6 +100,11 @@ class Session:
         capacity, at least its longest head; it grows by doubling)."""
         return self._s.capacity(layer)
 
+    def reserve(self, layer: int, tokens: int) -> None:
+        """Sets the storage of ``layer`` to ``tokens`` per KV head, or to its longest head if
+        that is more (grows or shrinks it; the cache is unchanged)."""
+        self._s.reserve(layer, tokens)
+
     def shrink_to_fit(self) -> None:
         """Gives back the storage compression freed: every layer's capacity becomes its longest
         head (at least 1 token). Later appends grow it again by doubling."""
