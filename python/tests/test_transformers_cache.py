@@ -197,7 +197,8 @@ def test_memory_fp32_ragged_heads(model, prompt):
     assert len({tuple(r) for r in lengths}) > 1 and (lengths.min(1) != lengths.max(1)).any(), \
         "adakv should give heads different lengths"
     assert c.memory() == int(lengths.sum()) * 2 * c.head_dim * 4
-    # Storage: one buffer per layer at its longest head (the prefill compression shrinks it).
+    # Storage: one buffer per layer at its longest head (fitted after the prefill compression;
+    # nothing compresses while decoding here).
     caps = [c.session.capacity(l) for l in range(c.num_layers)]
     assert caps == [int(r.max()) for r in lengths]
     assert c.storage_bytes() == sum(2 * c.kv_heads * cap * c.head_dim * 4 for cap in caps)
@@ -228,15 +229,17 @@ def test_memory_int2_packed(model, prompt):
 # --- decode-time compression ------------------------------------------------------------------
 
 class _Lengths(LogitsProcessor):
-    """Records every layer's per-head lengths after each forward of generate()."""
+    """Records the longest head and the storage after each forward of generate()."""
 
     def __init__(self, cache):
         self.cache = cache
         self.longest = []
+        self.storage = []
 
     def __call__(self, input_ids, scores):
         c = self.cache
         self.longest.append(max(int(c.lengths(l).max()) for l in range(c.num_layers)))
+        self.storage.append(c.storage_bytes())
         return scores
 
 
@@ -261,6 +264,9 @@ def test_decode_time_compression_bounded(model, prompt, spec, interval, target):
         pos = c.positions(l, 0)
         assert pos[-1] == len(prompt) + steps - 2  # the newest fed token is held
     assert c.memory() < (target + every) * 2 * c.head_dim * 4 * c.kv_heads * c.num_layers
+    # Storage: target + interval rows per head, reserved after the prefill, never regrown.
+    assert [c.session.capacity(l) for l in range(c.num_layers)] == [target + every] * c.num_layers
+    assert set(rec.storage) == {(target + every) * 2 * c.head_dim * 4 * c.kv_heads * c.num_layers}
 
 
 # --- what the cache refuses ----------------------------------------------------------------------

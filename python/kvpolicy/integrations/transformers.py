@@ -28,9 +28,11 @@ This is the model's own attention when nothing is compressed: at budget 1.0 the 
 sdpa path to fp32 rounding (python/tests/test_transformers_cache.py checks it).
 - Per-head budgets (adakv, ams, pyramid/depthkv across layers) are stored without padding in the
   attention: each KV head attends over exactly its own rows. Storage is one buffer per layer,
-  ``[kv_heads][capacity][head_dim]``, whose capacity is the layer's longest head (after the
-  prefill compression; the cache calls ``Session.shrink_to_fit`` then) and grows by doubling while
-  decoding: shorter heads leave their rows past their length allocated but unused.
+  ``[kv_heads][capacity][head_dim]``, one capacity for all heads of the layer: after the
+  prefill compression it is set to the longest head's target + ``interval`` when decode-time
+  compression bounds the heads (then it never grows), else to the longest head (then it grows by
+  doubling as tokens come in). Shorter heads leave their rows past their length allocated but
+  unused.
   ``memory()`` counts the K/V rows held (what a tight allocator needs), ``storage_bytes()`` the
   buffers allocated.
 - Mergers (semantic, nearest) fold evicted tokens into kept rows, and attention adds each row's
@@ -182,13 +184,15 @@ class KVPolicyCache(Cache):
     ``budget`` / ``budget_tokens`` / ``budget_total``: as ``kvpolicy.Session`` (one of the last
     two, or a ratio of the prompt). ``interval``: tokens between decode-time compressions (0:
     the policy's default, every token for h2o and never for the others). ``initial_capacity``:
-    tokens per head allocated up front. ``shrink``: give the storage back to the longest head
-    after the prefill compression. See the module docstring for what is supported.
+    tokens per head allocated up front. ``fit_storage``: after a layer's prefill compression,
+    size its storage to what it will hold (target + interval tokens per head with decode-time
+    compression, else its longest head). See the module docstring for what is supported.
     """
 
     def __init__(self, model: Any, policy: Policy | str = "snapkv", *, budget: float = 1.0,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
-                 interval: int = 0, initial_capacity: int = 256, shrink: bool = True) -> None:
+                 interval: int = 0, initial_capacity: int = 256,
+                 fit_storage: bool = True) -> None:
         config = _checked_config(model)
         self.policy = policy if isinstance(policy, Policy) else Policy(policy)
         self.num_layers = int(config.num_hidden_layers)
@@ -204,7 +208,7 @@ class KVPolicyCache(Cache):
                                   budget_tokens=budget_tokens, budget_total=budget_total,
                                   decode_interval=interval, initial_capacity=initial_capacity)
         self.session = Session(self.policy, **self._session_args)
-        self.shrink = bool(shrink)
+        self.fit_storage = bool(fit_storage)
         self._needs_queries = "queries" in self.policy.needs
         super().__init__(layers=[_SessionLayer(self, l) for l in range(self.num_layers)])
         self._reset_counters()
@@ -268,9 +272,25 @@ class KVPolicyCache(Cache):
         out = s.attend(layer, q)
         if s.compress_if_due(layer):
             self.compressions[layer] += 1
-            if self.shrink and layer == self.num_layers - 1 and self.compressions[layer] == 1:
-                s.shrink_to_fit()  # the prefill event: give the freed storage back
+            if self.fit_storage and self.compressions[layer] == 1:
+                self._fit_storage(layer)
         return torch.from_numpy(out).transpose(0, 1).unsqueeze(0), None
+
+    def _fit_storage(self, layer: int) -> None:
+        """After a layer's first compression: storage for what the layer will hold. With
+        decode-time compression a head never holds more than its target + interval, so that is
+        reserved once (no regrowth while decoding), unless it is far beyond what the layer holds
+        now (a budget for a long generation: the storage then grows by doubling as needed);
+        without, the storage shrinks to the longest head."""
+        s = self.session
+        longest = max(1, int(s.lengths(layer).max()))
+        cap = longest
+        every = s.decode_interval
+        if every > 0:
+            bound = int(s.budgets(layer).max()) + every
+            if bound <= max(2 * longest, longest + 1024):
+                cap = max(bound, longest)
+        s.reserve(layer, cap)
 
     def _check_mask(self, mask: Optional["torch.Tensor"], layer: int, n: int) -> None:
         """A mask must be the plain causal one over original positions (transformers builds one
@@ -320,9 +340,8 @@ class KVPolicyCache(Cache):
 
     def storage_bytes(self) -> int:
         """Bytes of K/V storage allocated: per fp32 layer ``kv_heads x capacity x head_dim x 4``
-        for K and for V (capacity: the layer's longest head, grown by doubling), per quantized
-        layer its packed caches' bytes. Per-token bookkeeping (positions, statistics) is not
-        counted."""
+        for K and for V (see ``fit_storage``), per quantized layer its packed caches' bytes.
+        Per-token bookkeeping (positions, statistics) is not counted."""
         total = 0
         for l in range(self.num_layers):
             if self.session.quantized(l):
