@@ -38,7 +38,7 @@ sdpa path to fp32 rounding (python/tests/test_transformers_cache.py checks it).
 - Mergers (semantic, nearest) fold evicted tokens into kept rows, and attention adds each row's
   log(count) to its logit (proportional attention). The cache does not see token text, so
   ``semantic`` cuts chunks every ``chunk`` tokens rather than at delimiter tokens (kvpolicy's own
-  engine passes delimiter flags; results then differ from it).
+  engine passes delimiter flags, so its merged rows can differ).
 - Quantizers (int2, int4, kivi; alone or after a scorer) keep the survivors packed after the
   prefill compression (the fp32 storage is released) and attention reads the packed tiles
   (``quant::packed_attention``); ``memory()`` reports the packed bytes. A packed cache is
