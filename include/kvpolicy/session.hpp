@@ -165,6 +165,19 @@ class Session {
     return out;
   }
   const SessionConfig& config() const { return cfg_; }
+  // Sets the storage of `layer` to `tokens` per head, or to its longest head if that is more
+  // (growing or shrinking it; the cache is unchanged). An engine that knows how long its heads
+  // will get (decode-time targets + interval) reserves that once instead of growing by doubling.
+  void reserve(std::int64_t layer, std::int64_t tokens) {
+    Layer& L = at(layer);
+    KVP_REQUIRE(tokens > 0, "session.reserve: tokens must be positive (got ", tokens, ")");
+    KVP_REQUIRE(detail::product_fits({cfg_.kv_heads, tokens, cfg_.head_dim,
+                                      static_cast<std::int64_t>(sizeof(T))}),
+                "session.reserve: ", tokens, " tokens need buffers larger than the address space");
+    const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
+    const std::int64_t cap = std::max(tokens, len);
+    if (cap != L.capacity) reserve(L, cap);
+  }
 
   // Appends n tokens to every KV head of `layer`. k, v: [1][Hkv][n][d]; q: [1][Hq][n][d] or empty.
   // delimiters: empty, or n flags (nonzero: the token ends a chunk for the semantic merger).

@@ -133,5 +133,14 @@ class Engine:
     def kv_bytes(self) -> int:
         return self._e.kv_bytes
 
+    @property
+    def last_logits(self) -> np.ndarray:
+        """Logits after the last processed token ``[vocab]`` (what ``generate`` reads next)."""
+        return self._e.last_logits
+
     def lengths(self, layer: int) -> List[int]:
         return self._e.lengths(layer)
+
+    def positions(self, layer: int, head: int) -> List[int]:
+        """Original positions of the tokens held by (layer, KV head), ascending."""
+        return self._e.positions(layer, head)

@@ -105,6 +105,26 @@ class Session:
         """log(count) per held row (merged tokens; 0 without a merger)."""
         return self._s.log_counts(layer, head)
 
+    def capacity(self, layer: int) -> int:
+        """Tokens of storage per KV head of ``layer`` (every head of a layer shares one
+        capacity, at least its longest head; it grows by doubling)."""
+        return self._s.capacity(layer)
+
+    def reserve(self, layer: int, tokens: int) -> None:
+        """Sets the storage of ``layer`` to ``tokens`` per KV head, or to its longest head if
+        that is more (grows or shrinks it; the cache is unchanged)."""
+        self._s.reserve(layer, tokens)
+
+    def shrink_to_fit(self) -> None:
+        """Gives back the storage compression freed: every layer's capacity becomes its longest
+        head (at least 1 token). Later appends grow it again by doubling."""
+        self._s.shrink_to_fit()
+
+    def packed(self, layer: int, head: int) -> Any:
+        """The packed cache (``kvpolicy.PackedCache``'s base) of (layer, head) of a quantized
+        layer: ``packed_tokens``, ``residual_tokens``, ``memory_bytes``, ``decode()``."""
+        return self._s.packed(layer, head)
+
     def quantized(self, layer: int) -> bool:
         """True once a policy with a quantizer packed ``layer`` (keys/values are then gone)."""
         return self._s.quantized(layer)

@@ -329,7 +329,14 @@ void bind_engine(py::module_& m) {
             const auto s = e.session().lengths(layer);
             return std::vector<std::int64_t>(s.begin(), s.end());
           },
-          py::arg("layer"));
+          py::arg("layer"))
+      .def(
+          "positions",
+          [](const Engine& e, std::int64_t layer, std::int64_t head) {
+            const auto s = e.session().positions(layer, head);
+            return std::vector<std::int32_t>(s.begin(), s.end());
+          },
+          py::arg("layer"), py::arg("head"));
 }
 
 }  // namespace kvpy

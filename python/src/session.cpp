@@ -144,6 +144,18 @@ void bind_session_class(py::module_& m) {
             return copy_span<float>(s.log_counts(layer, head));
           },
           py::arg("layer"), py::arg("head"))
+      .def("capacity", &S::capacity, py::arg("layer"))
+      .def(
+          "reserve",
+          [](S& s, std::int64_t layer, std::int64_t tokens) {
+            py::gil_scoped_release nogil;
+            s.reserve(layer, tokens);
+          },
+          py::arg("layer"), py::arg("tokens"))
+      .def("shrink_to_fit", [](S& s) {
+        py::gil_scoped_release nogil;
+        s.shrink_to_fit();
+      })
       .def("quantized", py::overload_cast<std::int64_t>(&S::quantized, py::const_),
            py::arg("layer"))
       .def("packed", &S::packed, py::arg("layer"), py::arg("head"))

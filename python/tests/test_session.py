@@ -105,3 +105,28 @@ def test_session_errors(rng):
         s.append(0, bad, k)
     with pytest.raises(ValueError, match="layer"):
         s.append(5, k, k)
+
+
+def test_storage_reserve_and_shrink(rng):
+    H, d = 2, 8
+    s = kvpolicy.Session("knorm", layers=2, kv_heads=H, q_heads=H, head_dim=d, budget_tokens=5,
+                         initial_capacity=4)
+    kv = lambda n: rng.standard_normal((H, n, d)).astype(np.float32)
+    for l in range(2):
+        s.append(l, kv(12), kv(12))
+    assert s.capacity(0) == 12  # grown to fit the append
+    assert s.compress_if_due(0)
+    keys, pos = s.keys(0, 1), s.positions(0, 1)
+    s.reserve(0, 40)  # grows; the cache is unchanged
+    assert s.capacity(0) == 40 and s.capacity(1) == 12
+    np.testing.assert_array_equal(s.keys(0, 1), keys)
+    np.testing.assert_array_equal(s.positions(0, 1), pos)
+    s.reserve(0, 1)  # never below the longest head
+    assert s.capacity(0) == 5
+    np.testing.assert_array_equal(s.keys(0, 1), keys)
+    s.shrink_to_fit()  # every layer to its longest head
+    assert s.capacity(1) == 12 and s.capacity(0) == 5
+    with pytest.raises(ValueError, match="tokens must be positive"):
+        s.reserve(0, 0)
+    with pytest.raises(ValueError, match="address space"):
+        s.reserve(0, 2 ** 62)

@@ -927,4 +927,33 @@ TEST_CASE("Session rejects shapes whose buffers overflow the address space (fuzz
              Contains("a query window of 4611686018427387904 need buffers larger"));
 }
 
+TEST_CASE("Session::reserve sets a layer's storage, never below its longest head", "[session]") {
+  Sequence<float> seq(12, 11);
+  Session<float> s(kvpolicy::Policy("knorm"), config(Budget::tokens(5), 4));
+  for (std::int64_t l = 0; l < kLayers; ++l) s.append(l, seq.K(l, 0, 12), seq.V(l, 0, 12));
+  CHECK(s.capacity(0) == 12);  // grown to fit the append
+  REQUIRE(s.compress_if_due(0));
+  const auto held = [&] {
+    const auto p = s.positions(0, 1);
+    std::vector<float> k;
+    for (std::int64_t t = 0; t < s.length(0, 1); ++t)
+      for (std::int64_t i = 0; i < kD; ++i) k.push_back(s.keys(0).at(0, 1, t, i));
+    return std::make_pair(std::vector<std::int32_t>(p.begin(), p.end()), k);
+  };
+  const auto before = held();
+  s.reserve(0, 40);  // grows; the cache is unchanged
+  CHECK(s.capacity(0) == 40);
+  CHECK(s.capacity(1) == 12);
+  CHECK(held() == before);
+  s.append(0, seq.K(0, 0, 7), seq.V(0, 0, 7));  // 12 tokens: within the reserve
+  CHECK(s.capacity(0) == 40);
+  s.reserve(0, 1);  // shrinks, but not below the longest head
+  CHECK(s.capacity(0) == 12);
+  CHECK(s.length(0, 0) == 12);
+  CHECK_THROWS_WITH(s.reserve(0, 0), Contains("tokens must be positive"));
+  CHECK_THROWS_WITH(s.reserve(0, std::numeric_limits<std::int64_t>::max() / 2),
+                    Contains("larger than the address space"));
+  CHECK(s.capacity(0) == 12);
+}
+
 }  // namespace kvt_session_session
