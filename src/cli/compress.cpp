@@ -12,6 +12,7 @@
 // so a failure leaves nothing behind (and removes the directory if this run created it).
 #include "compress.hpp"
 
+#include <iostream>
 #include <unistd.h>
 
 #include <algorithm>
@@ -606,6 +607,9 @@ void compress(const CompressOptions& o, std::ostream& out) {
         {"of", all},
         {"fraction", double(total) / double(all)}}},
       {"threads", o.threads},
+      // Why the selection departed from the policy to honour the budget (a budget below the
+      // scorer's protected window keeps the newest tokens); null when it did not.
+      {"warning", r.sel.warning().empty() ? json(nullptr) : json(r.sel.warning())},
   };
   summary["seconds"] = {{"read", read_seconds},
                         {"policy", r.policy_seconds},
@@ -616,6 +620,7 @@ void compress(const CompressOptions& o, std::ostream& out) {
     write_text(p, text);
   });
   dir.commit();
+  if (!r.sel.warning().empty()) std::cerr << "kvpolicy compress: warning: " << r.sel.warning() << "\n";
 
   out << "kept " << total << " of " << all << " tokens ("
       << num(100.0 * double(total) / double(all), "%.1f%%") << ") in "

@@ -502,12 +502,19 @@ def test_policy_errors(cli, kv, tmp_path):
              problem=["policy 'snapkv' reads the last 64 queries",
                       "no --queries file was given"])
     run_fail(cli, out, *base, "--policy", "h2o", subject="--queries", problem="reads queries")
-    # The budget is below what the scorer protects: reported after the inputs were read, still
-    # before anything was written.
+    # A budget below what the scorer protects keeps the newest tokens, with a warning on stderr
+    # and in summary.json (the run succeeds).
     q = save(tmp_path, "q.npy", np.ones((2, 3, 16, 16), np.float32))
-    run_fail(cli, out, "--keys", kf, "--values", vf, "--queries", q, "--budget-tokens", "4",
-             "--policy", "snapkv(window=16)", "--out", out, subject="--budget-tokens",
-             problem="budget of 4 tokens per head is below the 16 tokens snapkv protects")
+    p = cli("compress", "--keys", kf, "--values", vf, "--queries", q, "--budget-tokens", "4",
+            "--policy", "snapkv(window=16)", "--out", out)
+    assert p.returncode == 0, p.stderr
+    warning = ("budget of 4 tokens per head is below the 16 tokens snapkv protects (0 sinks + 16 "
+               "recent): kept the newest 4 instead")
+    assert p.stderr == f"kvpolicy compress: warning: {warning}\n"
+    T = np.load(kf).shape[2]
+    assert (np.load(os.path.join(out, "indices.npy")) == np.arange(T - 4, T)).all()
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        assert json.load(f)["warning"] == warning
 
 
 @pytest.mark.parametrize("args,subject,problem", [
