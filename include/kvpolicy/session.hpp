@@ -299,8 +299,8 @@ class Session {
     const std::int64_t len = *std::max_element(L.lengths.begin(), L.lengths.end());
     const bool ragged = *std::min_element(L.lengths.begin(), L.lengths.end()) != len;
     if (len == 0) return Selection(1, H);  // nothing cached (and a ratio of nothing at first)
-    // Fixed only once the selection succeeded: a failed first compression (budget below the
-    // protected count) must leave the layer as it was, still due.
+    // Fixed only once the selection succeeded: a failed first compression (bad inputs, a
+    // quantizer-only policy given a budget that evicts) must leave the layer as it was, still due.
     std::vector<std::int64_t> budgets = L.budgets;
     if (budgets.empty()) budgets = head_budgets(cfg_.budget, len);
     Inputs<T> in;

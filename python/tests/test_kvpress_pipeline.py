@@ -116,8 +116,9 @@ def _kept_sets(m, full: DynamicCache, cache: DynamicCache):
         sets = []
         for h in range(ref.shape[0]):
             eq = (got[h][:, None, :] == ref[h][None, :, :]).all(-1)  # [n][T]
+            assert eq.any(-1).all(), f"layer {l}, head {h}: a cached row is no prompt token's key"
             rows = [int(eq[i].nonzero()[0, 0]) for i in range(got.shape[1])
-                    if (h, i) not in hidden and eq[i].any()]
+                    if (h, i) not in hidden]
             sets.append(set(rows))
         out.append(sets)
     return out
@@ -143,7 +144,9 @@ def test_every_accepted_spec_runs_in_the_pipeline(pipe, spec):
     # move budget between heads and layers, never add to it).
     assert press.model_layers == pipe.model.config.num_hidden_layers  # kvpress's hook reached us
     assert press.kept_fraction == pytest.approx(n_keep / T, abs=1e-12)
-    assert press.held_fraction >= press.kept_fraction
+    ragged = any(a in spec for a in ("adakv", "ams", "pyramid", "depthkv"))
+    if not ragged:  # one budget for every head and layer: nothing filled up or padded
+        assert press.held_fraction == press.kept_fraction
     no_q = pipe(_context(), press=press, max_new_tokens=4)["answer"]
     assert isinstance(no_q, str)
     assert press.kept_fraction == pytest.approx(n_keep / T, abs=1e-12)

@@ -34,9 +34,10 @@
 // - Per KV head throughout (mass, segments, quotas, candidates); the authors' window maximum is
 //   taken over the whole tensor, here over the row. The window is w = min(window, queries
 //   given); with no token before the window the mass is uniform.
-// - A budget below the protected tokens is an error (library convention; the authors clamp).
-//   The protected count includes sinks + keep_last, so layer and head allocators earlier in the
-//   chain never go below it.
+// - A budget below the protected tokens cuts them (the newest first, then the sinks) with a
+//   warning, the library's convention (pipeline.hpp); the authors clamp. The protected count
+//   includes sinks + keep_last, so layer and head allocators earlier in the chain never go
+//   below it.
 // - If the minimums alone exceed the budget, they are lowered round-robin (segment 0 first) to
 //   1, and with more segments than budget, to 0 (the authors' loop stops at 1 and then never
 //   terminates).

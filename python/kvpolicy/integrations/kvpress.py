@@ -122,11 +122,22 @@ class KVPolicyPress(BasePress):
                              "attention (kvpolicy.Session); transformers' cache stores "
                              "full-precision rows")
         self.model_layers = 0
+        self._hooked: List[int] = []  # the layers kvpress hooks (Gemma3: not the sliding ones)
         self._modules: Dict[int, Any] = {}
 
     def post_init_from_model(self, model: Any) -> None:
         """kvpress calls this when the press is entered (``with press(model)``)."""
-        self.model_layers = int(model.config.num_hidden_layers)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.model_layers = int(config.num_hidden_layers)
+        # kvpress hooks every decoder layer but Gemma3's sliding-window ones (BasePress.__call__).
+        inner = getattr(model, "model", None)
+        inner = getattr(inner, "language_model", inner)
+        layers = getattr(inner, "layers", None)
+        gemma3 = type(model).__name__ == "Gemma3ForConditionalGeneration"
+        self._hooked = list(range(self.model_layers)) if layers is None else [
+            i for i, layer in enumerate(layers)
+            if not (gemma3 and getattr(layer.self_attn, "is_sliding", False))]
 
     # The spelling of kvpress releases before 0.5 (and of earlier kvpolicy versions).
     __post_init_from_model__ = post_init_from_model
@@ -147,7 +158,7 @@ class KVPolicyPress(BasePress):
         output = super().forward_hook(module, input, kwargs, output)
         q_len = kwargs["hidden_states"].shape[1]
         if (is_prefilling(kwargs["cache_position"], q_len) and self.compression_ratio > 0
-                and self.model_layers > 0 and int(module.layer_idx) == self.model_layers - 1):
+                and self._hooked and int(module.layer_idx) == self._hooked[-1]):
             self._equalize(kwargs["past_key_values"])
         return output
 
@@ -172,8 +183,9 @@ class KVPolicyPress(BasePress):
             layer.keys = torch.cat([layer.keys, layer.keys[:, :, :1].expand(-1, -1, pad, -1)], 2)
             layer.values = torch.cat([layer.values, layer.values[:, :, :1].expand(-1, -1, pad, -1)],
                                      2)
-            b, h, t = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(n, width),
-                                     indexing="ij")
+            dev = layer.keys.device
+            b, h, t = torch.meshgrid(torch.arange(B, device=dev), torch.arange(H, device=dev),
+                                     torch.arange(n, width, device=dev), indexing="ij")
             extra = (b.flatten(), h.flatten(), t.flatten())
             old = getattr(module, "masked_key_indices", None)
             module.masked_key_indices = extra if old is None else tuple(
@@ -185,7 +197,7 @@ class KVPolicyPress(BasePress):
                  values: "torch.Tensor", attentions: Optional["torch.Tensor"],
                  kwargs: dict) -> Tuple["torch.Tensor", "torch.Tensor"]:
         layer_idx = int(module.layer_idx)
-        if layer_idx == 0:
+        if layer_idx == (self._hooked[0] if self._hooked else 0):  # a new prefill
             self.layer_stats = {}
             self._modules = {}
         module.masked_key_indices = None
@@ -239,7 +251,8 @@ class KVPolicyPress(BasePress):
                     "masking the fill-up needs kvpress's attention patch, which transformers' "
                     "eager attention does not run; load the model with attn_implementation="
                     "'sdpa', or pass ragged='attend' to let the filled-in tokens take part")
-            module.masked_key_indices = tuple(torch.from_numpy(a) for a in np.nonzero(filled))
+            module.masked_key_indices = tuple(torch.from_numpy(a).to(keys.device)
+                                              for a in np.nonzero(filled))
         gather = torch.from_numpy(idx).to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         keys = keys.gather(2, gather).contiguous()
         values = values.gather(2, gather).contiguous()
