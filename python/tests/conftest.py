@@ -19,3 +19,24 @@ def cache(rng, L=2, H=3, T=40, d=32, dtype=np.float32):
     k = rng.standard_normal((L, H, T, d)).astype(dtype)
     v = rng.standard_normal((L, H, T, d)).astype(dtype)
     return k, v
+
+
+def bundled_hf_model(attn_implementation: str):
+    """The bundled GGUF model loaded by transformers (dequantized to float32, eval mode), for the
+    integration tests; skips the calling test module when the model file is missing."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import kvpolicy
+    path = kvpolicy.default_model_path()
+    if not os.path.exists(path):
+        pytest.skip(f"bundled model not found at {path} (scripts/fetch_model.sh)")
+    torch.set_num_threads(2)
+    hf_logging.disable_progress_bar()
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                             gguf_file=os.path.basename(path),
+                                             dtype=torch.float32,
+                                             attn_implementation=attn_implementation)
+    m.eval()
+    return m

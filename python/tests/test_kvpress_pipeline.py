@@ -30,13 +30,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 kvpress = pytest.importorskip("kvpress")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers import AutoTokenizer, DynamicCache  # noqa: E402
 from kvpress import (AdaKVPress, KeyDiffPress, KnormPress, KVPressTextGenerationPipeline,  # noqa: E402
                      ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress,
                      TOVAPress)
 
 import kvpolicy  # noqa: E402
+from conftest import bundled_hf_model  # noqa: E402
 from kvpolicy.integrations.kvpress import KVPolicyPress  # noqa: E402
 
 RATIO = 0.8  # compression_ratio: keep 20%
@@ -56,15 +56,8 @@ def _context() -> str:
 
 @pytest.fixture(scope="module")
 def model():
+    m = bundled_hf_model("sdpa")
     path = kvpolicy.default_model_path()
-    if not os.path.exists(path):
-        pytest.skip(f"bundled model not found at {path} (scripts/fetch_model.sh)")
-    torch.set_num_threads(2)
-    hf_logging.disable_progress_bar()
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                             gguf_file=os.path.basename(path),
-                                             dtype=torch.float32, attn_implementation="sdpa")
-    m.eval()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return m, tok
 

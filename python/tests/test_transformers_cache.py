@@ -33,10 +33,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers import DynamicCache, LogitsProcessor  # noqa: E402
 
 import kvpolicy  # noqa: E402
+from conftest import bundled_hf_model  # noqa: E402
 import kvpolicy.integrations.transformers as kvt  # noqa: E402
 
 BUDGET = 0.3
@@ -51,17 +51,7 @@ def _context() -> str:
 
 @pytest.fixture(scope="module")
 def model():
-    path = kvpolicy.default_model_path()
-    if not os.path.exists(path):
-        pytest.skip(f"bundled model not found at {path} (scripts/fetch_model.sh)")
-    torch.set_num_threads(2)
-    hf_logging.disable_progress_bar()
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                             gguf_file=os.path.basename(path),
-                                             dtype=torch.float32,
-                                             attn_implementation=kvt.ATTN_IMPLEMENTATION)
-    m.eval()
-    return m
+    return bundled_hf_model(kvt.ATTN_IMPLEMENTATION)
 
 
 @pytest.fixture(scope="module")
