@@ -625,4 +625,36 @@ TEST_CASE("C ABI: a session shape beyond the address space is an argument error 
   kvp_policy_destroy(p);
 }
 
+TEST_CASE("C ABI: a plug-in protecting INT64_MAX tokens keeps what the budget allows (fuzz_c_api "
+          "regression)", "[c_api]") {
+  // Found by fuzz_c_api: Protect::total added sinks + recent and overflowed when a plug-in
+  // declared recent = INT64_MAX ("protect everything"). The budget wins, the newest tokens stay,
+  // and a warning says so.
+  for (const auto& [sinks, recent] : {std::pair<std::int64_t, std::int64_t>{4, INT64_MAX},
+                                      {INT64_MAX, 4}, {INT64_MAX, INT64_MAX}}) {
+    CAPTURE(sinks, recent);
+    auto* st = new NormState;
+    kvp_scorer_plugin plug = norm_plugin(st);
+    plug.sinks = sinks;
+    plug.recent = recent;
+    kvp_policy* p = nullptr;
+    REQUIRE(kvp_policy_create_with_plugins("myknorm", &plug, 1, &p) == KVP_OK);
+    kvp_compress_params prm = kvp_compress_default_params();
+    prm.budget = {KVP_BUDGET_PER_HEAD, 6};
+    prm.compact = 0;
+    Cache c(1, 2, 20, 8, 5);
+    SelOut out(1, 2, 20);
+    kvp_tensor k = c.ck(), v = c.cv();
+    REQUIRE(kvp_compress(p, &prm, &k, &v, nullptr, nullptr, 0, &out.sel) == KVP_OK);
+    // The documented rule: the newest min(recent, budget) tokens, then the first of the sinks.
+    const std::vector<std::int32_t> want =
+        recent == 4 ? std::vector<std::int32_t>{0, 1, 16, 17, 18, 19}
+                    : std::vector<std::int32_t>{14, 15, 16, 17, 18, 19};
+    CHECK(out.row(0) == want);
+    CHECK(out.row(1) == want);
+    CHECK(std::string(kvp_last_warning()).find("below the 20 tokens") != std::string::npos);
+    kvp_policy_destroy(p);
+  }
+}
+
 }  // namespace kvt_c_api_c_api

@@ -2,6 +2,7 @@
 // one or several layers. Stats memoizes statistics that several stages share (window attention,
 // key norms) so each is computed once per event.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -31,12 +32,14 @@ constexpr bool has(Needs set, Needs flag) {
 }
 
 // Tokens a scorer always keeps (they count toward the budget): the first `sinks` and the last
-// `recent`.
+// `recent`. Both are >= 0 and may be huge (a plug-in may say INT64_MAX for "everything").
 struct Protect {
   std::int64_t sinks = 0;
   std::int64_t recent = 0;
+  // min(tokens, sinks + recent) for tokens >= 0, without overflowing for any counts.
   std::int64_t total(std::int64_t tokens) const {
-    return std::min<std::int64_t>(tokens, sinks + recent);
+    const std::int64_t s = std::min(sinks, tokens);
+    return std::min(tokens, s + std::min(recent, tokens - s));
   }
 };
 
