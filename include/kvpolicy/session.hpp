@@ -198,6 +198,10 @@ class Session {
                 "session.append: policy '", policy_.spec(), "' needs the queries; pass q");
     require_finite(k, "k");
     require_finite(v, "v");
+    if (policy_.quantizer()) {  // checked before anything moves: packing them would fail later
+      quant::require_quantizable(k, "session.append: k");
+      quant::require_quantizable(v, "session.append: v");
+    }
     const std::int64_t n = k.tokens;
     KVP_REQUIRE(delimiters.empty() || static_cast<std::int64_t>(delimiters.size()) == n,
                 "session.append: ", delimiters.size(), " delimiter flags for ", n, " tokens");

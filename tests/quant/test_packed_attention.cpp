@@ -318,6 +318,18 @@ TEST_CASE("packed attention and PackedCache reject bad arguments with messages",
   k[70] = INFINITY;
   CHECK_THROWS_WITH(c.append(k.data(), k.data(), 40), Contains("token 1 has a non-finite key element at dim 6"));
   CHECK(c.size() == 1);  // the tokens before the bad one were appended
+  // Finite but too large for the rotation and the norms (fuzz_spec: 3e38 became -inf in the
+  // Hadamard butterflies and reached the encoder as a NaN code).
+  k[70] = 3e38f;
+  q::PackedCache big(q::QuantConfig{}, d);
+  CHECK_THROWS_WITH(big.append(k.data(), k.data(), 40),
+                    Contains("token 1 has a key element of 3e+38 at dim 6; a quantized cache takes "
+                             "magnitudes below 2^100"));
+  CHECK(big.size() == 1);
+  k[70] = 1e29f;  // below the limit: packs like any other row
+  q::PackedCache fine(q::QuantConfig{}, d);
+  fine.append(k.data(), k.data(), 40);
+  CHECK(fine.size() == 40);
   CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
 }
 

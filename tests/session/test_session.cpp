@@ -436,6 +436,7 @@ TEST_CASE("Session rejects bad arguments and leaves its state unchanged", "[sess
                Contains("q contains a non-finite value (inf) at layer 0, head 5, token 0"));
     unchanged();
     // A valid append after the failures continues at position 5.
+    // (A quantizing session also refuses magnitudes its packed cache cannot rotate: below.)
     s.append(0, seq.K(0, 5, 2), seq.V(0, 5, 2), seq.Q(0, 5, 2));
     auto pos = s.positions(0, 1);
     CHECK(std::vector<std::int32_t>(pos.begin(), pos.end()) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6});

@@ -167,6 +167,30 @@ TEST_CASE("Session quantizer: a quantizer alone keeps and packs every token", "[
   CHECK_THROWS_WITH(e.compress_if_due(0), Contains("has no scorer and keeps every token"));
 }
 
+TEST_CASE("Session quantizer: magnitudes the packed cache cannot rotate are refused at append, "
+          "before anything moves (fuzz_spec regression)", "[session][quant]") {
+  // Found by fuzz_spec: finite rows of ~3e38 passed the finiteness check, overflowed to -inf in
+  // the Hadamard rotation and reached the encoder (a NaN converted to int, UB).
+  Tokens t = random_tokens(40, 9);
+  t.v[static_cast<std::size_t>(1 * 40 * kD + 7 * kD + 3)] = -3e38f;  // head 1, token 7, dim 3
+  for (const char* spec : {"knorm | int4(residual=16)", "int2"}) {
+    CAPTURE(spec);
+    Session<float> s(Policy(spec), quant_config(Budget::ratio(1.0)));
+    s.append(0, t.K(0, 5), t.V(0, 5));
+    CHECK_THROWS_WITH(s.append(0, t.K(5, 10), t.V(5, 10)),
+                      Contains("session.append: v holds -3e+38 at layer 0, head 1, token 2, dim 3: "
+                               "a quantized cache takes magnitudes below 2^100"));
+    for (std::int64_t h = 0; h < kHkv; ++h) CHECK(s.length(0, h) == 5);  // nothing moved
+    s.append(0, t.K(5, 2), t.V(5, 2));  // the rows before the bad one still go in
+    CHECK(s.compress_if_due(0));
+    CHECK(s.length(0, 1) == 7);
+  }
+  // Without a quantizer the same rows are only required to be finite.
+  Session<float> plain(Policy("knorm"), quant_config(Budget::ratio(1.0)));
+  plain.append(0, t.K(0, 40), t.V(0, 40));
+  CHECK(plain.length(0, 1) == 40);
+}
+
 TEST_CASE("Session quantizer: what a packed cache cannot do is rejected", "[session][quant]") {
   CHECK_THROWS_WITH(Session<float>(Policy("h2o | int2"), quant_config(Budget::ratio(0.5))),
                     Contains("h2o evicts at every step"));

@@ -57,6 +57,29 @@ struct UninitAllocator : std::allocator<T> {
 };
 }  // namespace detail
 
+// The largest magnitude a quantized cache takes: the rotation's butterflies and the key norms
+// of larger elements overflow fp32 (found by fuzz_spec: rows of 3e38 became -inf after the
+// Hadamard rotation). 2^100 ~ 1.3e30 leaves room for head_dim up to 2^27.
+inline constexpr float kMaxMagnitude = 0x1p100f;
+
+// Throws, naming the element, unless every element of `v` is finite and below kMaxMagnitude.
+template <class T>
+void require_quantizable(const KVView<T>& v, std::string_view what) {
+  if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
+  for (std::int64_t l = 0; l < v.layers; ++l)
+    for (std::int64_t h = 0; h < v.heads; ++h)
+      for (std::int64_t t = 0; t < v.tokens; ++t)
+        for (std::int64_t i = 0; i < v.dim; ++i) {
+          const float x = to_float(v.at(l, h, t, i));
+          KVP_REQUIRE(std::isfinite(x), what, " contains a non-finite value (", x,
+                      ") at layer ", l, ", head ", h, ", token ", t, ", dim ", i);
+          KVP_REQUIRE(std::fabs(x) < kMaxMagnitude, what, " holds ", x, " at layer ", l,
+                      ", head ", h, ", token ", t, ", dim ", i,
+                      ": a quantized cache takes magnitudes below 2^100 (the rotation and the "
+                      "norms would overflow fp32)");
+        }
+}
+
 // Tokens packed once a cache of `config` holds `size` tokens (the formula above).
 inline std::int64_t packed_tokens_at(const QuantConfig& config, std::int64_t size) {
   const std::int64_t G = config.group;
@@ -242,25 +265,35 @@ class PackedCache {
     }
   }
 
-  // Whether all d values are finite: exponent bits not all ones. On the bits, as an integer max,
-  // so that the scan vectorizes (std::isfinite is an fp comparison, kept scalar by
-  // -ftrapping-math).
+  // Whether all d values are finite and below kMaxMagnitude: exponent bits below 2^100's. On
+  // the bits, as an integer max, so that the scan vectorizes (std::isfinite is an fp comparison,
+  // kept scalar by -ftrapping-math).
   bool finite_row(const float* x) const {
+    constexpr std::uint32_t kLimit = (100u + 127u) << 23;  // exponent field of 2^100
     std::uint32_t top = 0;
     for (std::int64_t i = 0; i < d_; ++i) {
       std::uint32_t bits;
       std::memcpy(&bits, x + i, sizeof bits);
       top = std::max(top, bits & 0x7f800000u);
     }
-    return top != 0x7f800000u;
+    return top < kLimit;
   }
 
-  // Throws for the first non-finite element of token t (key before value at the same dim).
+  // Throws for the first element of token t that is non-finite or too large (key before value
+  // at the same dim).
   [[noreturn]] void fail_non_finite(const float* kr, const float* vr, std::int64_t t) const {
+    const auto ok = [](float x) { return std::isfinite(x) && std::fabs(x) < kMaxMagnitude; };
     std::int64_t i = 0;
-    while (i + 1 < d_ && std::isfinite(kr[i]) && std::isfinite(vr[i])) ++i;
-    kvpolicy::detail::fail("PackedCache::append: token ", t, " has a non-finite ",
-                           std::isfinite(kr[i]) ? "value" : "key", " element at dim ", i);
+    while (i + 1 < d_ && ok(kr[i]) && ok(vr[i])) ++i;
+    const bool key = !ok(kr[i]);
+    const float x = key ? kr[i] : vr[i];
+    if (!std::isfinite(x))
+      kvpolicy::detail::fail("PackedCache::append: token ", t, " has a non-finite ",
+                             key ? "key" : "value", " element at dim ", i);
+    kvpolicy::detail::fail("PackedCache::append: token ", t, " has a ", key ? "key" : "value",
+                           " element of ", x, " at dim ", i,
+                           "; a quantized cache takes magnitudes below 2^100 (the rotation and "
+                           "the norms would overflow fp32)");
   }
 
   // Appends n finite rows. to_pack = the tokens this call packs, counted from the residual's
