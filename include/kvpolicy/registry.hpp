@@ -11,6 +11,7 @@
 #include "kvpolicy/mergers/nearest.hpp"
 #include "kvpolicy/mergers/semantic.hpp"
 #include "kvpolicy/quant/quantizer.hpp"
+#include "kvpolicy/scorers/expected.hpp"
 #include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/keydiff.hpp"
 #include "kvpolicy/scorers/knorm.hpp"
@@ -20,7 +21,7 @@
 
 namespace kvpolicy {
 
-using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff>;
+using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff, ExpectedAttention>;
 using allocator_types = std::tuple<Uniform, Pyramid, DepthKV, AdaKV, AMS>;
 using merger_types = std::tuple<Semantic, Nearest>;
 using quantizer_types = std::tuple<quant::Int2, quant::Int4, quant::Kivi>;

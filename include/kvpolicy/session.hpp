@@ -54,6 +54,10 @@ struct SessionConfig {
   // into any policy whose window is at most `record_queries`.
   std::int64_t record_queries = 0;
   bool record_attention = false;
+  // The model's inverse RoPE frequencies [head_dim / 2] (Hugging Face's half-split rotation),
+  // for scorers that rotate queries to future positions (expected). Empty: unknown; such a
+  // scorer then needs theta= in its spec.
+  std::vector<float> rope_inv_freq;
   // Decode-time compression, after the prefill compression: once `decode_interval` tokens have
   // been appended since a layer's last compression, every head of it longer than its target is
   // compressed back to exactly the target (so the cache oscillates between target and
@@ -78,6 +82,13 @@ class Session {
     KVP_REQUIRE(cfg.q_heads > 0 && cfg.q_heads % cfg.kv_heads == 0, "session: q_heads ",
                 cfg.q_heads, " is not a positive multiple of kv_heads ", cfg.kv_heads);
     KVP_REQUIRE(cfg.initial_capacity > 0, "session: initial_capacity must be positive");
+    KVP_REQUIRE(cfg.rope_inv_freq.empty() ||
+                    static_cast<std::int64_t>(cfg.rope_inv_freq.size()) * 2 == cfg.head_dim,
+                "session: rope_inv_freq has ", cfg.rope_inv_freq.size(),
+                " frequencies; head_dim ", cfg.head_dim, " needs ", cfg.head_dim / 2);
+    for (float f : cfg.rope_inv_freq)
+      KVP_REQUIRE(std::isfinite(f) && f > 0, "session: rope_inv_freq holds ", f,
+                  "; frequencies must be finite and positive");
 
     cfg.budget.validate();
     if (const auto* h2o = std::get_if<H2O>(&policy_.scorer()))
@@ -329,6 +340,7 @@ class Session {
     }
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
+    in.rope_inv_freq = cfg_.rope_inv_freq;
     in.state_stride = L.capacity;
     Selection sel(1, H);
     // After the first event the per-head budgets are fixed: no layer/head re-allocation.

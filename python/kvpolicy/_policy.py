@@ -104,23 +104,27 @@ class Policy:
                budget: float = 0.25, budget_tokens: Optional[int] = None,
                budget_total: Optional[int] = None, accumulated: Any = None,
                observed: Any = None, return_scores: bool = False, first_layer: int = 0,
-               model_layers: int = 0) -> CompressResult:
+               model_layers: int = 0, rope_inv_freq: Any = None) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
         sums (h2o's state), ``observed`` the number of queries behind each sum (for
         ``h2o(normalize=true)``). ``first_layer`` / ``model_layers``: where the given layers sit in
         the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
-        at a time (0: the cache holds every layer)."""
+        at a time (0: the cache holds every layer). ``rope_inv_freq``: the model's inverse RoPE
+        frequencies ``[head_dim // 2]`` for scorers that rotate queries to future positions
+        (``expected``; otherwise its spec needs ``theta=``)."""
         return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
                          budget_total, compact=False, inplace=False, scores=return_scores,
-                         first_layer=first_layer, model_layers=model_layers)
+                         first_layer=first_layer, model_layers=model_layers,
+                         rope_inv_freq=rope_inv_freq)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
                  accumulated: Any = None, observed: Any = None, inplace: bool = True,
                  return_scores: bool = False,
-                 first_layer: int = 0, model_layers: int = 0) -> CompressResult:
+                 first_layer: int = 0, model_layers: int = 0,
+                 rope_inv_freq: Any = None) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
         move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
@@ -128,10 +132,12 @@ class Policy:
         released while the library works."""
         return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
                          budget_total, compact=True, inplace=inplace, scores=return_scores,
-                         first_layer=first_layer, model_layers=model_layers)
+                         first_layer=first_layer, model_layers=model_layers,
+                         rope_inv_freq=rope_inv_freq)
 
     def _run(self, keys, values, queries, state, budget, budget_tokens, budget_total, *,
-             compact, inplace, scores, first_layer, model_layers) -> CompressResult:
+             compact, inplace, scores, first_layer, model_layers,
+             rope_inv_freq=None) -> CompressResult:
         kind, value = budget_args(budget, budget_tokens, budget_total)
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
@@ -145,8 +151,10 @@ class Policy:
         elif compact and np.may_share_memory(k, v):
             raise ValueError("values: shares memory with keys; compacting both in place would "
                              "corrupt them")
+        freqs = [] if rope_inv_freq is None else \
+            np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
         idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, kind, value, first_layer,
-                                                model_layers, compact, scores)
+                                                model_layers, compact, scores, freqs)
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=3)
         width = idx.shape[2]

@@ -23,19 +23,24 @@ class Session:
     non-negative strides. ``budget`` is a ratio of the prefill, ``budget_tokens`` a count per
     head, ``budget_total`` a count over a layer's heads. ``record_queries`` /
     ``record_attention``: keep queries / h2o statistics even when the policy reads none.
+    ``rope_inv_freq``: the model's inverse RoPE frequencies ``[head_dim // 2]`` (Hugging Face's
+    ``rotary_emb.inv_freq``), for scorers that rotate queries to future positions
+    (``expected``); without them such a scorer needs ``theta=`` in its spec.
     """
 
     def __init__(self, policy: Policy | str, *, layers: int, kv_heads: int, q_heads: int,
                  head_dim: int, budget: float = 1.0, budget_tokens: Optional[int] = None,
                  budget_total: Optional[int] = None, decode_interval: int = 0,
                  record_queries: int = 0, record_attention: bool = False,
-                 initial_capacity: int = 256) -> None:
+                 initial_capacity: int = 256, rope_inv_freq: Any = None) -> None:
         pol = policy if isinstance(policy, Policy) else Policy(policy)
         kind, value = budget_args(budget, budget_tokens, budget_total)
+        freqs = [] if rope_inv_freq is None else \
+            np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
         self.policy = pol
         self._s = _core.Session(pol._p, layers, kv_heads, q_heads, head_dim, kind, value,
                                 record_queries, record_attention, decode_interval,
-                                initial_capacity)
+                                initial_capacity, freqs)
 
     layers = property(lambda self: self._s.layers)
     kv_heads = property(lambda self: self._s.kv_heads)

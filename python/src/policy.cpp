@@ -27,6 +27,7 @@ Budget make_budget(char kind, double value) {
 struct Call {
   py::array keys;
   std::optional<py::array> values, queries, accumulated, observed;
+  std::vector<float> rope_inv_freq{};
 };
 
 Call arrays_of(const py::handle& keys, const py::handle& values, const py::handle& queries,
@@ -77,6 +78,7 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
   }
   if (c.accumulated) in.accumulated = state_of(*c.accumulated, in.keys, "accumulated");
   if (c.observed) in.observed = state_of(*c.observed, in.keys, "observed");
+  in.rope_inv_freq = c.rope_inv_freq;
   return in;
 }
 
@@ -108,8 +110,9 @@ py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& va
                    const py::handle& queries, const py::handle& accumulated,
                    const py::handle& observed, char kind,
                    double value, std::int64_t first_layer, std::int64_t model_layers, bool compact,
-                   bool scores) {
-  const Call c = arrays_of(keys, values, queries, accumulated, observed);
+                   bool scores, std::vector<float> rope_inv_freq) {
+  Call c = arrays_of(keys, values, queries, accumulated, observed);
+  c.rope_inv_freq = std::move(rope_inv_freq);
   if (compact && !c.values) value_error("values: compress needs the values to compact");
   const Budget budget = make_budget(kind, value);
   kvpolicy::EventInfo ev;
@@ -161,7 +164,7 @@ void bind_policy(py::module_& m) {
       .def("_run", &dispatch, py::arg("keys"), py::arg("values"), py::arg("queries"),
            py::arg("accumulated"), py::arg("observed"), py::arg("kind"), py::arg("value"), py::arg("first_layer"),
            py::arg("model_layers"), py::arg("compact"),
-           py::arg("scores"));
+           py::arg("scores"), py::arg("rope_inv_freq"));
 }
 
 }  // namespace kvpy

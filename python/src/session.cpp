@@ -53,8 +53,10 @@ void bind_session_class(py::module_& m) {
       .def(py::init([](const Policy& policy, std::int64_t layers, std::int64_t kv_heads,
                        std::int64_t q_heads, std::int64_t head_dim, char kind, double value,
                        std::int64_t record_queries, bool record_attention,
-                       std::int64_t decode_interval, std::int64_t initial_capacity) {
+                       std::int64_t decode_interval, std::int64_t initial_capacity,
+                       std::vector<float> rope_inv_freq) {
              SessionConfig c;
+             c.rope_inv_freq = std::move(rope_inv_freq);
              c.layers = layers, c.kv_heads = kv_heads, c.q_heads = q_heads, c.head_dim = head_dim;
              c.budget = budget_of(kind, value, "Session");
              c.record_queries = record_queries;
@@ -65,7 +67,8 @@ void bind_session_class(py::module_& m) {
            }),
            py::arg("policy"), py::arg("layers"), py::arg("kv_heads"), py::arg("q_heads"),
            py::arg("head_dim"), py::arg("kind"), py::arg("value"), py::arg("record_queries"),
-           py::arg("record_attention"), py::arg("decode_interval"), py::arg("initial_capacity"))
+           py::arg("record_attention"), py::arg("decode_interval"), py::arg("initial_capacity"),
+           py::arg("rope_inv_freq"))
       .def_property_readonly("policy", [](const S& s) { return s.policy(); })
       .def_property_readonly("layers", [](const S& s) { return s.config().layers; })
       .def_property_readonly("kv_heads", [](const S& s) { return s.config().kv_heads; })

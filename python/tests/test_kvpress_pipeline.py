@@ -31,13 +31,15 @@ pytest.importorskip("gguf")
 kvpress = pytest.importorskip("kvpress")
 
 from transformers import AutoTokenizer, DynamicCache  # noqa: E402
-from kvpress import (AdaKVPress, KeyDiffPress, KnormPress, KVPressTextGenerationPipeline,  # noqa: E402
+from kvpress import (AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress,  # noqa: E402
+                     KVPressTextGenerationPipeline,
                      ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress,
                      TOVAPress)
 
 import kvpolicy  # noqa: E402
 from conftest import bundled_hf_model  # noqa: E402
-from kvpolicy.integrations.kvpress import KVPolicyPress  # noqa: E402
+from kvpolicy.integrations._rope import model_rope_inv_freq  # noqa: E402
+from kvpolicy.integrations.kvpress import KVPolicyPress, window_queries  # noqa: E402
 
 RATIO = 0.8  # compression_ratio: keep 20%
 KEY = "48213"
@@ -121,7 +123,7 @@ def _kept_sets(m, full: DynamicCache, cache: DynamicCache):
 # snapkv); mergers and quantizers are refused (test_refused).
 _PROFILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "profiles",
                         "SmolLM2-135M-Instruct.snapkv-0.2.json")
-ACCEPTED = ["snapkv", "h2o", "streaming", "tova", "knorm", "keydiff", "snapkv | uniform",
+ACCEPTED = ["snapkv", "h2o", "streaming", "tova", "knorm", "keydiff", "expected", "snapkv | uniform",
             "snapkv | pyramid", f"snapkv | depthkv(profile={os.path.abspath(_PROFILE)})",
             "snapkv | adakv", "snapkv | ams", "snapkv(preset=kvpress)", "snapkv | pyramid | adakv"]
 
@@ -176,7 +178,44 @@ PAIRS = [
     ("keydiff", lambda r: KeyDiffPress(compression_ratio=r)),
     ("snapkv | adakv(alpha=0.2)",
      lambda r: AdaKVPress(SnapKVPress(compression_ratio=r), alpha_safeguard=0.2)),
+    # The press passes the model's RoPE frequencies; the ~400-token prompt is within the default
+    # window, so every prompt query feeds the statistics, as in kvpress.
+    ("expected", lambda r: ExpectedAttentionPress(compression_ratio=r)),
+    ("expected(eps=0.01) | adakv(alpha=0.2)",
+     lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r, epsilon=1e-2),
+                          alpha_safeguard=0.2)),
 ]
+
+
+def test_expected_scores_equal_kvpress_expected_attention(pipe):
+    # Scores, not only kept sets: kvpress scores the pre-RoPE queries of the hidden states at
+    # absolute positions; kvpolicy rotates the post-RoPE queries by their offsets. The two must
+    # agree to fp32 rounding on every layer of the real model (sinks left out: kvpress pads them
+    # with its max + 1, kvpolicy protects them and gives them the layer's max + 1).
+    m = pipe.model
+    ids = _context_ids(pipe)
+    pol = kvpolicy.Policy("expected")
+    errs = []
+
+    class Both(ExpectedAttentionPress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            ref = self.score(module, hidden_states, keys, values, attentions, kwargs)[0]
+            T = keys.shape[2]
+            q = window_queries(module, hidden_states, T, kwargs["position_embeddings"])
+            r = pol.select(keys.detach().numpy(), values.detach().numpy(),
+                           q.detach().numpy(), budget_tokens=T // 5, return_scores=True,
+                           rope_inv_freq=rope)
+            ours = torch.from_numpy(np.asarray(r.scores)[0])
+            a, b = ref[:, 4:].double(), ours[:, 4:].double()
+            errs.append(float((a - b).abs().max() / a.abs().max()))
+            return keys, values
+
+    rope = model_rope_inv_freq(m)
+    assert rope is not None and rope.shape == (32,)
+    with torch.no_grad(), Both(compression_ratio=0.5)(m):
+        m.model(input_ids=ids)
+    assert len(errs) == len(m.model.layers)
+    assert max(errs) < 1e-4, errs
 
 
 @pytest.mark.parametrize("spec,make", PAIRS, ids=[p[0] for p in PAIRS])

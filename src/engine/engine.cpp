@@ -89,6 +89,22 @@ std::vector<std::uint8_t> delimiter_table(const Model& m, const Policy& policy) 
   return t;
 }
 
+// RoPE frequencies as Hugging Face computes them (fp32): base^(-2i/d), optionally divided by
+// per-frequency factors (Llama 3.1 style rope_freqs).
+std::vector<float> rope_frequencies(const Model& model) {
+  const std::int64_t d = model.config().head_dim;
+  const auto& factors = model.weights().rope_freq_factors;
+  std::vector<float> inv_freq(static_cast<std::size_t>(d / 2));
+  for (std::int64_t i = 0; i < d / 2; ++i) {
+    const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
+    float f = 1.0f / static_cast<float>(std::pow(static_cast<double>(model.config().rope_base),
+                                                 static_cast<double>(expo)));
+    if (factors.size()) f /= factors[i];
+    inv_freq[static_cast<std::size_t>(i)] = f;
+  }
+  return inv_freq;
+}
+
 }  // namespace
 
 SessionConfig Engine::session_config(const Model& m, const EngineConfig& c) {
@@ -103,6 +119,7 @@ SessionConfig Engine::session_config(const Model& m, const EngineConfig& c) {
   s.record_attention = c.record_attention;
   s.decode_interval = c.decode_interval;
   s.decode_target = c.decode_target;
+  s.rope_inv_freq = rope_frequencies(m);
   return s;
 }
 
@@ -145,18 +162,7 @@ Engine::Engine(const Model& model, EngineConfig cfg)
   delimiter_set_ = session_.policy().delimiter_set();
   delimiter_table_ = std::make_shared<const std::vector<std::uint8_t>>(
       delimiter_table(model, session_.policy()));
-  // RoPE frequencies as Hugging Face computes them (fp32): base^(-2i/d), optionally divided by
-  // per-frequency factors (Llama 3.1 style rope_freqs).
-  const std::int64_t d = model.config().head_dim;
-  const auto& factors = model.weights().rope_freq_factors;
-  inv_freq_.resize(static_cast<std::size_t>(d / 2));
-  for (std::int64_t i = 0; i < d / 2; ++i) {
-    const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
-    float f = 1.0f / static_cast<float>(std::pow(static_cast<double>(model.config().rope_base),
-                                                 static_cast<double>(expo)));
-    if (factors.size()) f /= factors[i];
-    inv_freq_[static_cast<std::size_t>(i)] = f;
-  }
+  inv_freq_ = rope_frequencies(model);
 }
 
 void Engine::reset() {

@@ -125,6 +125,15 @@ TEST_CASE("h2o: given accumulators and observation counts", "[scorers][h2o]") {
   sel = H2OPipeline(h2o, Uniform{}).select(cpu_backend{}, in, Budget::tokens(3), &s);
   CHECK(kept(sel) == std::vector<std::int32_t>{2, 4, 5});
   for (int j = 0; j < 6; ++j) CHECK(s.row(0, 0)[j] == Approx(acc[j] / obs[j]));
+  // preset=observed (kvpress's ObservedAttentionPress): normalized, no recent window, so budget 3
+  // takes the three best ratios j4, j2, j0.
+  sel = Policy("h2o(preset=observed)").select(cpu_backend{}, in, Budget::tokens(3), &s);
+  CHECK(kept(sel) == std::vector<std::int32_t>{0, 2, 4});
+  CHECK(kept(Policy("h2o(preset=observed,recent_tokens=1)").select(cpu_backend{}, in, Budget::tokens(3))) ==
+        std::vector<std::int32_t>{2, 4, 5});
+  CHECK(kept(Policy("h2o(preset=observed,normalize=false)").select(cpu_backend{}, in, Budget::tokens(3))) ==
+        std::vector<std::int32_t>{0, 2, 4});
+  REQUIRE_THROWS_WITH(Policy("h2o(preset=kvpress)"), Catch::Contains("preset"));
   // normalize=true without the counts is an error, not a silent raw score.
   in.observed = nullptr;
   REQUIRE_THROWS_WITH(H2OPipeline(h2o, Uniform{}).select(cpu_backend{}, in, Budget::tokens(3)),

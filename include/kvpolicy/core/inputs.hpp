@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <tuple>
 
 #include "kvpolicy/core/kv_view.hpp"
@@ -54,6 +55,9 @@ struct Inputs {
   const float* observed = nullptr;
   std::int64_t state_stride = 0;  // elements between (layer, head) rows of the state; 0 = T
   GqaReduce reduce = GqaReduce::mean;
+  // The model's inverse RoPE frequencies [d/2] (Hugging Face's half-split rotation), for scorers
+  // that rotate queries to future positions (expected); empty when the caller does not know them.
+  std::span<const float> rope_inv_freq{};
 
   std::int64_t state_row_stride() const { return state_stride > 0 ? state_stride : keys.tokens; }
 

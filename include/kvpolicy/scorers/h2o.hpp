@@ -8,6 +8,8 @@
 // normalize=true divides by the number of queries that saw each key (kvpress's
 // ObservedAttentionPress); with queries only, that count is T - max(j, T - n_q).
 // [ours] recent is a fraction of the budget (0..1) or, with recent_tokens=N, a token count.
+// preset=observed is kvpress's ObservedAttentionPress: recent_tokens=0, normalize=true (the
+// question-agnostic fidelity leader of the evaluation); later parameters override a preset.
 #pragma once
 #include <cmath>
 
@@ -32,10 +34,14 @@ struct H2O {
   }
   static H2O from_params(Params& p) {
     H2O s;
+    if (p.get_choice("preset", "authors", {"authors", "observed"}) == "observed") {
+      s.recent_tokens = 0;
+      s.normalize = true;
+    }
     s.recent = p.get_double("recent", s.recent);
-    s.recent_tokens = p.get_int("recent_tokens", -1);
+    s.recent_tokens = p.get_int("recent_tokens", s.recent_tokens);
     s.sinks = p.get_int("sinks", 0);
-    s.normalize = p.get_bool("normalize", false);
+    s.normalize = p.get_bool("normalize", s.normalize);
     s.reduce = parse_reduce(p.get_choice("reduce", "mean", {"mean", "max", "sum"}));
     s.validate();
     return s;

@@ -36,7 +36,9 @@ What transformers' cache cannot hold, and what the press therefore refuses:
   prefill only; h2o here is its prefill form (accumulated attention of the prompt's queries,
   kvpress's ObservedAttention, which needs ``attn_implementation="eager"``).
 - state across events (h2o sums during decoding, ams credit): none, one event per layer.
-kvpress's ObservedAttentionPress is ``h2o(recent_tokens=0,normalize=true)`` here.
+kvpress's ObservedAttentionPress is ``h2o(preset=observed)`` here, and its
+ExpectedAttentionPress is ``expected`` (the press passes the model's RoPE frequencies; with a
+window of at least the prompt's length, the default 1024, the scores are kvpress's).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the optional packages
 import numpy as np
 
 from .._policy import Policy
+from ._rope import model_rope_inv_freq
 from .rectangular import rectangular_indices
 
 
@@ -122,6 +125,7 @@ class KVPolicyPress(BasePress):
                              "attention (kvpolicy.Session); transformers' cache stores "
                              "full-precision rows")
         self.model_layers = 0
+        self._rope: Optional[np.ndarray] = None  # the model's inverse RoPE frequencies
         self._hooked: List[int] = []  # the layers kvpress hooks (Gemma3: not the sliding ones)
         self._modules: Dict[int, Any] = {}
 
@@ -130,6 +134,7 @@ class KVPolicyPress(BasePress):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.model_layers = int(config.num_hidden_layers)
+        self._rope = model_rope_inv_freq(model)
         # kvpress hooks every decoder layer but Gemma3's sliding-window ones (BasePress.__call__).
         inner = getattr(model, "model", None)
         inner = getattr(inner, "language_model", inner)
@@ -232,7 +237,7 @@ class KVPolicyPress(BasePress):
                                    accumulated=None if acc is None else acc[b:b + 1],
                                    observed=obs,
                                    return_scores=True, first_layer=layer_idx,
-                                   model_layers=self.model_layers)
+                                   model_layers=self.model_layers, rope_inv_freq=self._rope)
             rows.append(r)
             counts.append(r.counts[0])
         width = max(int(c.max()) for c in counts)

@@ -81,6 +81,7 @@ import numpy as np
 
 from .._policy import Policy
 from .._session import Session
+from ._rope import model_rope_inv_freq
 
 ATTN_IMPLEMENTATION = "kvpolicy"
 
@@ -206,7 +207,8 @@ class KVPolicyCache(Cache):
         self._session_args = dict(layers=self.num_layers, kv_heads=self.kv_heads,
                                   q_heads=self.q_heads, head_dim=self.head_dim, budget=budget,
                                   budget_tokens=budget_tokens, budget_total=budget_total,
-                                  decode_interval=interval, initial_capacity=initial_capacity)
+                                  decode_interval=interval, initial_capacity=initial_capacity,
+                                  rope_inv_freq=model_rope_inv_freq(model))
         self.session = Session(self.policy, **self._session_args)
         self.fit_storage = bool(fit_storage)
         self._needs_queries = "queries" in self.policy.needs

@@ -1,0 +1,244 @@
+// Expected attention (kvpress ExpectedAttentionPress; arXiv 2510.00636). A key's score is the
+// attention that future queries are expected to give it, modelled from the statistics of the
+// recent queries, times its value's norm. It needs no question and works at decode time.
+//
+// Per query head, from the given queries (the last `window`):
+//  1. mean mu and covariance Sigma (divided by the count) of the queries as they would be at the
+//     next position P; queries at cache positions below `sinks` are left out (outliers);
+//  2. the RoPE rotation averaged over the next `future` positions, Rbar = mean_{j<future} R(j),
+//     applied as mu <- Rbar mu, Sigma <- Rbar Sigma Rbar^T;
+//  3. z_j = mu.k_j / sqrt(d) + k_j^T Sigma k_j / (2 d) (the log of the Gaussian moment-generating
+//     function of q.k_j / sqrt(d)), softmax over the non-sink keys j;
+//  4. mean over the query heads of the KV head's group, then (a_j + eps) * ||v_j||.
+// The first `sinks` keys are protected and get the layer's highest score + 1, as in kvpress.
+// Defaults follow kvpress: future=512, sinks=4, cov=true, vnorm=true, eps=0.
+//
+// [ours] Post-RoPE queries, relative rotation. kvpress takes pre-RoPE queries from the hidden
+// states and rotates their statistics to absolute positions P..P+future-1. The library receives
+// post-RoPE queries of the positions P-n..P-1, so it rotates query i by R(n - i) to position P
+// first, then by Rbar. Rotations compose (R(P+j) R(-p) = R(j) R(P-p)), so the statistics are
+// the same, and so are the scores.
+// [ours] The query window. kvpress uses every prefill query; a Session keeps only the newest
+// `window` (default 1024) in its ring, which also serves decode-time compression. With a window at
+// least the prompt's length the scores equal kvpress's.
+// [ours] RoPE. The rotation is Hugging Face's half-split one (pairs (i, i + d/2)) with inverse
+// frequencies inv_freq[i] = theta^(-2i/d). `theta` in the spec sets them; otherwise the scorer
+// takes Inputs::rope_inv_freq, which an engine supplies (SessionConfig::rope_inv_freq; the
+// reference engine fills it, Llama-3.1 frequency factors included). Without either it refuses.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvpolicy/core/params.hpp"
+#include "kvpolicy/scorers/common.hpp"
+
+namespace kvpolicy {
+
+// Inverse RoPE frequencies theta^(-2i/d), i < d/2, in fp32 as Hugging Face computes them.
+inline std::vector<float> rope_inv_freq(double theta, std::int64_t head_dim) {
+  std::vector<float> f(static_cast<std::size_t>(head_dim / 2));
+  for (std::size_t i = 0; i < f.size(); ++i)
+    f[i] = 1.0f / static_cast<float>(std::pow(theta, static_cast<double>(2 * i) /
+                                                         static_cast<double>(head_dim)));
+  return f;
+}
+
+struct ExpectedAttention {
+  static constexpr std::string_view name = "expected";
+  std::int64_t window = 1024;  // newest queries whose statistics model the future ones
+  std::int64_t future = 512;   // future positions the rotation is averaged over
+  std::int64_t sinks = 4;      // first tokens: protected, and their queries left out
+  bool cov = true;             // use the covariance term
+  bool vnorm = true;           // multiply by ||v||
+  double eps = 0.0;            // added to the attention before the value norm
+  double theta = 0.0;          // RoPE base; 0: Inputs::rope_inv_freq
+
+  void validate() const {
+    KVP_REQUIRE(window >= 1, "expected: window must be >= 1, got ", window);
+    KVP_REQUIRE(future >= 1, "expected: future must be >= 1, got ", future);
+    KVP_REQUIRE(sinks >= 0, "expected: sinks must be >= 0, got ", sinks);
+    KVP_REQUIRE(std::isfinite(eps) && eps >= 0, "expected: eps must be finite and >= 0, got ", eps);
+    KVP_REQUIRE(theta == 0 || (std::isfinite(theta) && theta > 1),
+                "expected: theta (the RoPE base) must be > 1, got ", theta);
+  }
+  static ExpectedAttention from_params(Params& p) {
+    ExpectedAttention s;
+    s.window = p.get_int("window", s.window);
+    s.future = p.get_int("future", s.future);
+    s.sinks = p.get_int("sinks", s.sinks);
+    s.cov = p.get_bool("cov", s.cov);
+    s.vnorm = p.get_bool("vnorm", s.vnorm);
+    s.eps = p.get_double("eps", s.eps);
+    s.theta = p.get_double("theta", s.theta);
+    s.validate();
+    return s;
+  }
+
+  Needs needs() const { return vnorm ? Needs::keys | Needs::values | Needs::queries
+                                     : Needs::keys | Needs::queries; }
+  std::int64_t query_window() const { return window; }
+  Protect protect(std::int64_t, std::int64_t) const { return {sinks, 0}; }
+
+  template <Element T>
+  void score(const cpu_backend& be, const Inputs<T>& in, Stats&, ScoreMap& out) const {
+    validate();
+    const auto& k = in.keys;
+    const auto& q = in.queries;
+    const std::int64_t L = k.layers, H = k.heads, Tk = k.tokens, d = k.dim;
+    KVP_REQUIRE(q.data && q.tokens > 0, "expected: needs the recent queries");
+    KVP_REQUIRE(q.dim == d && q.layers == L && q.heads % H == 0 && q.heads > 0,
+                "expected: queries [", q.layers, ", ", q.heads, ", ", q.tokens, ", ", q.dim,
+                "] do not match keys [", L, ", ", H, ", ", Tk, ", ", d, "]");
+    KVP_REQUIRE(d % 2 == 0, "expected: head_dim must be even for RoPE, got ", d);
+    KVP_REQUIRE(!vnorm || (in.values.data && in.values.tokens == Tk && in.values.dim == d),
+                "expected: vnorm=true needs the values");
+    std::vector<float> inv_freq;
+    if (theta > 0) {
+      inv_freq = rope_inv_freq(theta, d);
+    } else {
+      KVP_REQUIRE(!in.rope_inv_freq.empty(),
+                  "expected: needs the model's RoPE frequencies: give theta=<rope base> in the "
+                  "spec, or run it where the engine supplies them (SessionConfig::rope_inv_freq)");
+      KVP_REQUIRE(static_cast<std::int64_t>(in.rope_inv_freq.size()) == d / 2, "expected: ",
+                  in.rope_inv_freq.size(), " RoPE frequencies for head_dim ", d, " (want ", d / 2,
+                  ")");
+      inv_freq.assign(in.rope_inv_freq.begin(), in.rope_inv_freq.end());
+    }
+    const std::int64_t half = d / 2, nq = std::min(window, q.tokens), q0 = q.tokens - nq;
+    // Averaged future rotation per frequency: Rbar = [[cbar, -sbar], [sbar, cbar]].
+    std::vector<double> cbar(static_cast<std::size_t>(half)), sbar(cbar.size());
+    for (std::int64_t f = 0; f < half; ++f) {
+      double c = 0, s = 0;
+      for (std::int64_t j = 0; j < future; ++j) {
+        const double a = static_cast<double>(j) * inv_freq[static_cast<std::size_t>(f)];
+        c += std::cos(a);
+        s += std::sin(a);
+      }
+      cbar[static_cast<std::size_t>(f)] = c / static_cast<double>(future);
+      sbar[static_cast<std::size_t>(f)] = s / static_cast<double>(future);
+    }
+    const std::int64_t group = q.heads / H;
+    const std::int64_t s_end = std::min(sinks, Tk);  // protected keys [0, s_end)
+    out.resize(L, H, Tk);
+    cpu::parallel_for(be, L * H, [&](std::int64_t r) {
+      const std::int64_t l = r / H, h = r % H;
+      const auto ud = static_cast<std::size_t>(d);
+      std::vector<double> qi(ud), mu(ud), sig(ud * ud);
+      std::vector<float> muf(ud), sigf(ud * ud), kj(ud), y(ud);
+      std::vector<double> acc(static_cast<std::size_t>(Tk), 0.0), z(static_cast<std::size_t>(Tk));
+      for (std::int64_t g = 0; g < group; ++g) {
+        const std::int64_t hq = h * group + g;
+        // 1. statistics of the queries rotated to position P (query i sits at P - (nq - i)).
+        std::fill(mu.begin(), mu.end(), 0.0);
+        std::fill(sig.begin(), sig.end(), 0.0);
+        std::int64_t n = 0;
+        std::vector<double> rows;  // the rotated queries, for the covariance's second pass
+        for (std::int64_t i = 0; i < nq; ++i) {
+          const std::int64_t pos_in_cache = Tk - (nq - i);
+          if (pos_in_cache < sinks) continue;
+          const double off = static_cast<double>(nq - i);
+          for (std::int64_t f = 0; f < half; ++f) {
+            const double a = off * inv_freq[static_cast<std::size_t>(f)];
+            const double c = std::cos(a), s = std::sin(a);
+            const double x = to_float(q.at(l, hq, q0 + i, f)), w = to_float(q.at(l, hq, q0 + i, f + half));
+            qi[static_cast<std::size_t>(f)] = x * c - w * s;
+            qi[static_cast<std::size_t>(f + half)] = w * c + x * s;
+          }
+          for (std::size_t e = 0; e < ud; ++e) mu[e] += qi[e];
+          if (cov) rows.insert(rows.end(), qi.begin(), qi.end());
+          ++n;
+        }
+        if (n == 0) continue;  // every query is a sink's: this head adds nothing
+        for (auto& m : mu) m /= static_cast<double>(n);
+        if (cov) {
+          for (std::int64_t i = 0; i < n; ++i) {
+            const double* x = rows.data() + i * d;
+            for (std::size_t a = 0; a < ud; ++a) {
+              const double xa = x[a] - mu[a];
+              for (std::size_t b = 0; b < ud; ++b) sig[a * ud + b] += xa * (x[b] - mu[b]);
+            }
+          }
+          for (auto& s : sig) s /= static_cast<double>(n);
+        }
+        // 2. Rbar mu and Rbar Sigma Rbar^T, rows then columns.
+        auto rot = [&](auto&& get, auto&& set) {
+          for (std::int64_t f = 0; f < half; ++f) {
+            const double c = cbar[static_cast<std::size_t>(f)], s = sbar[static_cast<std::size_t>(f)];
+            const double x = get(f), w = get(f + half);
+            set(f, x * c - w * s);
+            set(f + half, w * c + x * s);
+          }
+        };
+        rot([&](std::int64_t e) { return mu[static_cast<std::size_t>(e)]; },
+            [&](std::int64_t e, double v) { mu[static_cast<std::size_t>(e)] = v; });
+        if (cov) {
+          for (std::size_t col = 0; col < ud; ++col)
+            rot([&](std::int64_t e) { return sig[static_cast<std::size_t>(e) * ud + col]; },
+                [&](std::int64_t e, double v) { sig[static_cast<std::size_t>(e) * ud + col] = v; });
+          for (std::size_t row = 0; row < ud; ++row)
+            rot([&](std::int64_t e) { return sig[row * ud + static_cast<std::size_t>(e)]; },
+                [&](std::int64_t e, double v) { sig[row * ud + static_cast<std::size_t>(e)] = v; });
+        }
+        for (std::size_t e = 0; e < ud; ++e) muf[e] = static_cast<float>(mu[e]);
+        for (std::size_t e = 0; e < ud * ud; ++e) sigf[e] = static_cast<float>(sig[e]);
+        // 3. log-MGF logits and their softmax over the non-sink keys.
+        const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
+        double zmax = -std::numeric_limits<double>::infinity();
+        for (std::int64_t j = s_end; j < Tk; ++j) {
+          for (std::size_t e = 0; e < ud; ++e) kj[e] = to_float(k.at(l, h, j, static_cast<std::int64_t>(e)));
+          double lin = 0;
+          for (std::size_t e = 0; e < ud; ++e) lin += static_cast<double>(muf[e]) * kj[e];
+          double quad = 0;
+          if (cov) {
+            // y = Sigma k as a sum of Sigma's rows (it is symmetric): no float reduction in the
+            // inner loop, so it vectorizes.
+            std::fill(y.begin(), y.end(), 0.f);
+            for (std::size_t b = 0; b < ud; ++b) {
+              const float* srow = sigf.data() + b * ud;
+              const float kb = kj[b];
+              for (std::size_t a = 0; a < ud; ++a) y[a] += srow[a] * kb;
+            }
+            for (std::size_t e = 0; e < ud; ++e) quad += static_cast<double>(kj[e]) * y[e];
+          }
+          const double v = lin * inv_sqrt_d + quad / (2.0 * static_cast<double>(d));
+          z[static_cast<std::size_t>(j)] = v;
+          zmax = std::max(zmax, v);
+        }
+        double sum = 0;
+        for (std::int64_t j = s_end; j < Tk; ++j) {
+          auto& v = z[static_cast<std::size_t>(j)];
+          v = std::exp(v - zmax);
+          sum += v;
+        }
+        for (std::int64_t j = s_end; j < Tk; ++j)
+          acc[static_cast<std::size_t>(j)] += z[static_cast<std::size_t>(j)] / sum;
+      }
+      // 4. group mean, value norm.
+      auto dst = out.row(l, h);
+      for (std::int64_t j = s_end; j < Tk; ++j) {
+        double a = acc[static_cast<std::size_t>(j)] / static_cast<double>(group);
+        if (vnorm) {
+          double n2 = 0;
+          for (std::int64_t e = 0; e < d; ++e) {
+            const double x = to_float(in.values.at(l, h, j, e));
+            n2 += x * x;
+          }
+          a = (a + eps) * std::sqrt(n2);
+        }
+        dst[j] = static_cast<float>(a);
+      }
+    });
+    // The sinks: the layer's highest score + 1 (kvpress pads them with max + 1).
+    for (std::int64_t l = 0; l < L && s_end > 0; ++l) {
+      float top = 0;
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t j = s_end; j < Tk; ++j) top = std::max(top, out.row(l, h)[j]);
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t j = 0; j < s_end; ++j) out.row(l, h)[j] = top + 1.0f;
+    }
+  }
+};
+
+}  // namespace kvpolicy
