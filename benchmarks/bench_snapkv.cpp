@@ -6,6 +6,7 @@
 #include "kvpolicy/allocators/uniform.hpp"
 #include "kvpolicy/cpu/rows.hpp"
 #include "kvpolicy/pipeline.hpp"
+#include "kvpolicy/scorers/expected.hpp"
 #include "kvpolicy/scorers/snapkv.hpp"
 
 namespace kvbench {
@@ -99,6 +100,39 @@ void bm_score(benchmark::State& state, std::int64_t tokens, std::string key) {
       });
 }
 
+// Expected attention's scoring (statistics of `nq` queries, then k.mu + k^T Sigma k per key and
+// query head: O(T d^2) per query head) vs SnapKV's window scoring of the same layer, side by
+// side. nq = kWindow (a decode-time window) or 1024 (the default window, a prefill's statistics).
+template <class T>
+void bm_expected(benchmark::State& state, std::int64_t tokens, std::int64_t nq, std::string key) {
+  auto& data = layer_data<T>(tokens);
+  const cpu_backend be{};
+  const SnapKV snap = SnapKV::authors();
+  ExpectedAttention exp;
+  exp.theta = 500000, exp.window = nq;
+  std::vector<T> q(static_cast<std::size_t>(kHq * nq * kDim));
+  fill_uniform(q, 5, 1.0f);
+  Inputs<T> in;
+  in.keys = KVView<const T>::hnd(data.k0.data(), 1, kHkv, tokens, kDim);
+  in.values = KVView<const T>::hnd(data.v0.data(), 1, kHkv, tokens, kDim);
+  in.queries = KVView<const T>::hnd(q.data(), 1, kHq, nq, kDim);
+  Inputs<T> win = in;
+  win.queries = data.queries();
+  ScoreMap a, b;
+  time_pair(
+      state, key, 0, [] {},
+      [&] {
+        Stats stats;
+        exp.score(be, in, stats, a);
+        benchmark::DoNotOptimize(a.data());
+      },
+      [&] {
+        Stats stats;
+        snap.score(be, win, stats, b);
+        benchmark::DoNotOptimize(b.data());
+      });
+}
+
 template <class T>
 void register_dtype() {
   for (std::int64_t t : {kShortT, kLongT}) {
@@ -120,6 +154,13 @@ void register_dtype() {
 void register_snapkv() {
   register_dtype<Eigen::half>();
   register_dtype<float>();
+  for (std::int64_t nq : {kWindow, std::int64_t{1024}}) {
+    const std::string key = "expected_vs_snapkv_score/fp16/T:8192/nq:" + std::to_string(nq);
+    benchmark::RegisterBenchmark(key.c_str(), bm_expected<Eigen::half>, 8192, nq, key)
+        ->UseManualTime()
+        ->Iterations(5)
+        ->Unit(benchmark::kMillisecond);
+  }
 }
 
 }  // namespace kvbench

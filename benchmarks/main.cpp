@@ -161,6 +161,22 @@ void report_alloc() {
       "it, so there most of its cost is that attention.\n");
 }
 
+void report_expected() {
+  std::printf("\n### Expected attention scoring per layer vs SnapKV scoring, fp16, T = 8192\n\n");
+  std::printf("| queries in the statistics | expected ms | snapkv scoring ms | expected/snapkv | "
+              "CPU-time expected/snapkv | iters |\n|---:|---:|---:|---:|---:|---:|\n");
+  for (int nq : {static_cast<int>(kWindow), 1024}) {
+    const Result* r = find("expected_vs_snapkv_score/fp16/T:8192/nq:" + std::to_string(nq));
+    if (!r) continue;
+    std::printf("| %d | %.1f | %.1f | %.2f | %.2f | %d |\n", nq, r->subject_s * 1e3,
+                r->ref_s * 1e3, 1.0 / r->ratio, 1.0 / r->cpu_ratio, r->iterations);
+  }
+  std::printf("\nExpected = ExpectedAttention::score (defaults: covariance and value norms on) "
+              "on one layer of 8 KV heads, 32 query heads, d = 128, with the statistics of the "
+              "given number of queries; SnapKV = SnapKV::score with its authors' window of 32 "
+              "queries, fresh Stats, alternating inside one benchmark.\n");
+}
+
 void report_merge(const std::int64_t ts[2]) {
   std::printf("\n### Merge cost per layer vs SnapKV scoring, fp16 (20%% budget)\n\n");
   std::printf("| merger | T | merge ms | snapkv scoring ms | merge/score | CPU-time merge/score | "
@@ -283,6 +299,7 @@ int main(int argc, char** argv) {
   kvbench::report_score(dts, ts);
   kvbench::report_alloc();
   kvbench::report_merge(ts);
+  kvbench::report_expected();
   kvbench::report_quant(ts);
   std::fflush(stdout);
   benchmark::Shutdown();

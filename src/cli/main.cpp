@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
                 "queries .npy, for policies that read them (default: none)");
   c->add_option("--policy", o.policy,
                 "policy spec, e.g. \"snapkv(window=32) | adakv\": a scorer (h2o, snapkv, "
-                "streaming, tova, knorm, keydiff), then allocators (uniform, pyramid, depthkv, "
+                "streaming, tova, knorm, keydiff, expected(theta=<RoPE base>)), then allocators "
+                "(uniform, pyramid, depthkv, "
                 "adakv, ams)")
       ->required();
   CLI::Option* budget =

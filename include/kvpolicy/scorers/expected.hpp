@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kvpolicy/core/params.hpp"
+#include "kvpolicy/cpu/rows.hpp"
 #include "kvpolicy/scorers/common.hpp"
 
 namespace kvpolicy {
@@ -47,6 +48,7 @@ inline std::vector<float> rope_inv_freq(double theta, std::int64_t head_dim) {
 
 struct ExpectedAttention {
   static constexpr std::string_view name = "expected";
+  static constexpr std::int64_t kBlock = 256;  // keys per GEMM block
   std::int64_t window = 1024;  // newest queries whose statistics model the future ones
   std::int64_t future = 512;   // future positions the rotation is averaged over
   std::int64_t sinks = 4;      // first tokens: protected, and their queries left out
@@ -119,6 +121,14 @@ struct ExpectedAttention {
       cbar[static_cast<std::size_t>(f)] = c / static_cast<double>(future);
       sbar[static_cast<std::size_t>(f)] = s / static_cast<double>(future);
     }
+    // The rotation of query i to position P, R(nq - i), per frequency (shared by every head).
+    std::vector<double> qcos(static_cast<std::size_t>(nq * half)), qsin(qcos.size());
+    for (std::int64_t i = 0; i < nq; ++i)
+      for (std::int64_t f = 0; f < half; ++f) {
+        const double a = static_cast<double>(nq - i) * inv_freq[static_cast<std::size_t>(f)];
+        qcos[static_cast<std::size_t>(i * half + f)] = std::cos(a);
+        qsin[static_cast<std::size_t>(i * half + f)] = std::sin(a);
+      }
     const std::int64_t group = q.heads / H;
     const std::int64_t s_end = std::min(sinks, Tk);  // protected keys [0, s_end)
     out.resize(L, H, Tk);
@@ -126,7 +136,8 @@ struct ExpectedAttention {
       const std::int64_t l = r / H, h = r % H;
       const auto ud = static_cast<std::size_t>(d);
       std::vector<double> qi(ud), mu(ud), sig(ud * ud);
-      std::vector<float> muf(ud), sigf(ud * ud), kj(ud), y(ud);
+      Eigen::VectorXf muf(d), lin;
+      cpu::RowMatrix sigf(d, d), kbuf, ks;
       std::vector<double> acc(static_cast<std::size_t>(Tk), 0.0), z(static_cast<std::size_t>(Tk));
       for (std::int64_t g = 0; g < group; ++g) {
         const std::int64_t hq = h * group + g;
@@ -138,10 +149,9 @@ struct ExpectedAttention {
         for (std::int64_t i = 0; i < nq; ++i) {
           const std::int64_t pos_in_cache = Tk - (nq - i);
           if (pos_in_cache < sinks) continue;
-          const double off = static_cast<double>(nq - i);
           for (std::int64_t f = 0; f < half; ++f) {
-            const double a = off * inv_freq[static_cast<std::size_t>(f)];
-            const double c = std::cos(a), s = std::sin(a);
+            const auto at = static_cast<std::size_t>(i * half + f);
+            const double c = qcos[at], s = qsin[at];
             const double x = to_float(q.at(l, hq, q0 + i, f)), w = to_float(q.at(l, hq, q0 + i, f + half));
             qi[static_cast<std::size_t>(f)] = x * c - w * s;
             qi[static_cast<std::size_t>(f + half)] = w * c + x * s;
@@ -152,15 +162,12 @@ struct ExpectedAttention {
         }
         if (n == 0) continue;  // every query is a sink's: this head adds nothing
         for (auto& m : mu) m /= static_cast<double>(n);
-        if (cov) {
-          for (std::int64_t i = 0; i < n; ++i) {
-            const double* x = rows.data() + i * d;
-            for (std::size_t a = 0; a < ud; ++a) {
-              const double xa = x[a] - mu[a];
-              for (std::size_t b = 0; b < ud; ++b) sig[a * ud + b] += xa * (x[b] - mu[b]);
-            }
-          }
-          for (auto& s : sig) s /= static_cast<double>(n);
+        if (cov) {  // Sigma = Xc^T Xc / n, Xc the centred rotated queries (a double GEMM)
+          using DRow = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+          Eigen::Map<DRow> X(rows.data(), n, d);
+          const Eigen::Map<const Eigen::RowVectorXd> m(mu.data(), d);
+          X.rowwise() -= m;
+          Eigen::Map<DRow>(sig.data(), d, d).noalias() = X.transpose() * X / static_cast<double>(n);
         }
         // 2. Rbar mu and Rbar Sigma Rbar^T, rows then columns.
         auto rot = [&](auto&& get, auto&& set) {
@@ -181,30 +188,25 @@ struct ExpectedAttention {
             rot([&](std::int64_t e) { return sig[row * ud + static_cast<std::size_t>(e)]; },
                 [&](std::int64_t e, double v) { sig[row * ud + static_cast<std::size_t>(e)] = v; });
         }
-        for (std::size_t e = 0; e < ud; ++e) muf[e] = static_cast<float>(mu[e]);
-        for (std::size_t e = 0; e < ud * ud; ++e) sigf[e] = static_cast<float>(sig[e]);
-        // 3. log-MGF logits and their softmax over the non-sink keys.
+        for (std::size_t e = 0; e < ud; ++e) muf(static_cast<Eigen::Index>(e)) = static_cast<float>(mu[e]);
+        for (std::size_t e = 0; e < ud * ud; ++e) sigf.data()[e] = static_cast<float>(sig[e]);
+        // 3. log-MGF logits and their softmax over the non-sink keys, in blocks of keys:
+        // lin = K mu and quad_j = k_j . (Sigma k_j) = rowsum(K .* (K Sigma)) (Sigma symmetric),
+        // two fp32 GEMMs per block.
         const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
         double zmax = -std::numeric_limits<double>::infinity();
-        for (std::int64_t j = s_end; j < Tk; ++j) {
-          for (std::size_t e = 0; e < ud; ++e) kj[e] = to_float(k.at(l, h, j, static_cast<std::int64_t>(e)));
-          double lin = 0;
-          for (std::size_t e = 0; e < ud; ++e) lin += static_cast<double>(muf[e]) * kj[e];
-          double quad = 0;
-          if (cov) {
-            // y = Sigma k as a sum of Sigma's rows (it is symmetric): no float reduction in the
-            // inner loop, so it vectorizes.
-            std::fill(y.begin(), y.end(), 0.f);
-            for (std::size_t b = 0; b < ud; ++b) {
-              const float* srow = sigf.data() + b * ud;
-              const float kb = kj[b];
-              for (std::size_t a = 0; a < ud; ++a) y[a] += srow[a] * kb;
-            }
-            for (std::size_t e = 0; e < ud; ++e) quad += static_cast<double>(kj[e]) * y[e];
+        for (std::int64_t j0 = s_end; j0 < Tk; j0 += kBlock) {
+          const std::int64_t nb = std::min(kBlock, Tk - j0);
+          const cpu::RowMap K = cpu::rows_f32(k, l, h, j0, nb, kbuf);
+          lin.noalias() = K * muf;
+          if (cov) ks.noalias() = K * sigf;
+          for (std::int64_t r = 0; r < nb; ++r) {
+            double quad = 0;
+            if (cov) quad = static_cast<double>(K.row(r).dot(ks.row(r)));
+            const double v = static_cast<double>(lin(r)) * inv_sqrt_d + quad / (2.0 * static_cast<double>(d));
+            z[static_cast<std::size_t>(j0 + r)] = v;
+            zmax = std::max(zmax, v);
           }
-          const double v = lin * inv_sqrt_d + quad / (2.0 * static_cast<double>(d));
-          z[static_cast<std::size_t>(j)] = v;
-          zmax = std::max(zmax, v);
         }
         double sum = 0;
         for (std::int64_t j = s_end; j < Tk; ++j) {
