@@ -162,6 +162,12 @@ class Session {
     // A quantized fork reads no attention statistics (packed attention does not accumulate).
     if (out.policy_.quantizer()) out.cfg_.record_attention = false;
     check_quantizer(out.policy_, out.cfg_, "session.fork");
+    if (out.policy_.quantizer())  // what the packed caches will take: refused here, not later
+      for (std::int64_t l = 0; l < cfg_.layers; ++l) {
+        const Layer& L = layers_[static_cast<std::size_t>(l)];
+        quant::require_quantizable(keys(l).prefix(L.next_position), "session.fork: k");
+        quant::require_quantizable(values(l).prefix(L.next_position), "session.fork: v");
+      }
     for (auto& L : out.layers_) {
       L.budgets.clear();
       L.decode_targets_set = false;
@@ -341,6 +347,7 @@ class Session {
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
     in.rope_inv_freq = cfg_.rope_inv_freq;
+    in.first_query_position = L.next_position - nq;
     in.state_stride = L.capacity;
     Selection sel(1, H);
     // After the first event the per-head budgets are fixed: no layer/head re-allocation.

@@ -210,7 +210,7 @@ def test_expected_scores_equal_kvpress_expected_attention(pipe):
             errs.append(float((a - b).abs().max() / a.abs().max()))
             return keys, values
 
-    rope = model_rope_inv_freq(m)
+    rope = model_rope_inv_freq(m, 64)
     assert rope is not None and rope.shape == (32,)
     with torch.no_grad(), Both(compression_ratio=0.5)(m):
         m.model(input_ids=ids)

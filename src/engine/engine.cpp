@@ -92,16 +92,12 @@ std::vector<std::uint8_t> delimiter_table(const Model& m, const Policy& policy) 
 // RoPE frequencies as Hugging Face computes them (fp32): base^(-2i/d), optionally divided by
 // per-frequency factors (Llama 3.1 style rope_freqs).
 std::vector<float> rope_frequencies(const Model& model) {
-  const std::int64_t d = model.config().head_dim;
+  std::vector<float> inv_freq =
+      rope_inv_freq(static_cast<double>(model.config().rope_base), model.config().head_dim);
   const auto& factors = model.weights().rope_freq_factors;
-  std::vector<float> inv_freq(static_cast<std::size_t>(d / 2));
-  for (std::int64_t i = 0; i < d / 2; ++i) {
-    const float expo = static_cast<float>(2 * i) / static_cast<float>(d);
-    float f = 1.0f / static_cast<float>(std::pow(static_cast<double>(model.config().rope_base),
-                                                 static_cast<double>(expo)));
-    if (factors.size()) f /= factors[i];
-    inv_freq[static_cast<std::size_t>(i)] = f;
-  }
+  if (factors.size())
+    for (std::size_t i = 0; i < inv_freq.size(); ++i)
+      inv_freq[i] /= factors[static_cast<Eigen::Index>(i)];
   return inv_freq;
 }
 

@@ -327,9 +327,17 @@ TEST_CASE("packed attention and PackedCache reject bad arguments with messages",
                              "magnitudes below 2^100"));
   CHECK(big.size() == 1);
   k[70] = 1e29f;  // below the limit: packs like any other row
-  q::PackedCache fine(q::QuantConfig{}, d);
+  q::PackedCache fine(q::QuantConfig{2, 32, 0, true, true}, d);  // residual 0: token 1 is packed
   fine.append(k.data(), k.data(), 40);
   CHECK(fine.size() == 40);
+  {  // the large row survives the rotation, the norm and packing: finite, its scale kept
+    REQUIRE(fine.residual_tokens() < 40);  // token 1 sits in a packed tile
+    std::vector<float> dk(static_cast<std::size_t>(40 * d)), dv(dk.size());
+    fine.decode(dk.data(), dv.data());
+    for (float x : dk) REQUIRE(std::isfinite(x));
+    CHECK(dk[70] > 5e28f);
+    CHECK(dk[70] < 2e29f);
+  }
   CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
 }
 

@@ -38,7 +38,8 @@ std::vector<double> mul(const Mat& m, const std::vector<double>& x) {
 // of the cache's positions: the scores must not depend on it.
 naive::Scores expected_reference(const kvtest::Dense& k, const kvtest::Dense& v,
                                  const kvtest::Dense& q, const std::vector<float>& inv_freq,
-                                 std::int64_t future, std::int64_t sinks, double P0) {
+                                 std::int64_t future, std::int64_t sinks, double P0,
+                                 std::int64_t first_query_position = -1) {
   const std::int64_t L = k.L, H = k.H, T = k.N, d = k.d, n = q.N, G = q.H / k.H;
   const auto ud = static_cast<std::size_t>(d);
   naive::Scores s(L, H, T);
@@ -55,7 +56,8 @@ naive::Scores expected_reference(const kvtest::Dense& k, const kvtest::Dense& v,
         const std::int64_t qh = h * G + g;
         std::vector<std::vector<double>> pre;
         for (std::int64_t i = 0; i < n; ++i) {
-          if (T - n + i < sinks) continue;
+          // The sequence's first `sinks` positions (after an eviction, not the cache's).
+          if ((first_query_position >= 0 ? first_query_position : T - n) + i < sinks) continue;
           std::vector<double> x(ud);
           for (std::size_t e = 0; e < ud; ++e) x[e] = q.at(l, qh, i, static_cast<std::int64_t>(e));
           // pre-RoPE = R(p)^T q = R(-p) q
@@ -165,7 +167,11 @@ TEMPLATE_TEST_CASE("expected matches the naive reference (absolute positions, fu
                              ",future=" + std::to_string(future) + ",sinks=" + std::to_string(sinks) + ")";
     // The positions' origin must not matter: the reference uses absolute positions P0 + t.
     const double P0 = si % 2 ? 0.0 : 1000.0;
-    naive::Reference ref{expected_reference(c.k.ref, v.ref, c.q.ref, inv, future, sinks, P0)};
+    // Shape 4's queries cover the whole cache, as at prefill; after an eviction (the caller says
+    // where they start) the oldest of them are no sinks' and count.
+    const std::int64_t qpos = si == 4 ? 100 : -1;
+    in.first_query_position = qpos;
+    naive::Reference ref{expected_reference(c.k.ref, v.ref, c.q.ref, inv, future, sinks, P0, qpos)};
     ref.sinks = sinks;
     ref.rtol = 2e-4, ref.atol = 1e-6;  // fp32 Sigma and Sigma k against double
     for (std::int64_t budget : {sh.T + 1, sh.T, sh.T / 2, sh.T / 4 + sinks})
@@ -232,7 +238,8 @@ TEST_CASE("expected: RoPE frequencies from the spec or from the engine (Session)
 TEST_CASE("expected: argument errors name the parameter", "[scorers][expected]") {
   for (const auto& [spec, msg] : std::vector<std::pair<std::string, std::string>>{
            {"expected(window=0)", "window must be >= 1"},
-           {"expected(future=0)", "future must be >= 1"},
+           {"expected(future=0)", "future must be in [1, 65536], got 0"},
+           {"expected(future=65537)", "future must be in [1, 65536], got 65537"},
            {"expected(sinks=-1)", "sinks must be >= 0"},
            {"expected(eps=-1)", "eps must be finite and >= 0"},
            {"expected(theta=1)", "theta (the RoPE base) must be > 1"},
@@ -253,8 +260,16 @@ TEST_CASE("expected: argument errors name the parameter", "[scorers][expected]")
   auto q4 = kvtest::random_tensor<float>(rng, 1, 1, 2, 4, 1.0);
   in.keys = k4.view();
   in.queries = q4.view();
+  // Through a policy the pipeline's shape check names the values first; the scorer called
+  // directly names what it needs them for.
   CHECK_THAT(kvtest::error_of([&] { Policy("expected(theta=100)").select(cpu_backend{}, in, Budget::tokens(5)); }),
-             Contains("values"));
+             Contains("values shape [0,0,0,0] does not match keys [1,1,10,4]"));
+  ExpectedAttention e;
+  e.theta = 100;
+  Stats stats;
+  ScoreMap out;
+  CHECK_THAT(kvtest::error_of([&] { e.score(cpu_backend{}, in, stats, out); }),
+             Contains("expected: vnorm=true needs the values"));
 }
 
 }  // namespace kvt_scorers_expected

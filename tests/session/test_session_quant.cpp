@@ -189,6 +189,11 @@ TEST_CASE("Session quantizer: magnitudes the packed cache cannot rotate are refu
   Session<float> plain(Policy("knorm"), quant_config(Budget::ratio(1.0)));
   plain.append(0, t.K(0, 40), t.V(0, 40));
   CHECK(plain.length(0, 1) == 40);
+  // ... and a fork of it into a quantizing policy is refused at once, not halfway through its
+  // first compression.
+  CHECK_THROWS_WITH(plain.fork(Policy("knorm | int2"), Budget::ratio(0.5)),
+                    Contains("session.fork: v holds -3e+38 at layer 0, head 1, token 7, dim 3"));
+  CHECK(plain.fork(Policy("knorm"), Budget::ratio(0.5)).length(0, 1) == 40);
 }
 
 TEST_CASE("Session quantizer: what a packed cache cannot do is rejected", "[session][quant]") {

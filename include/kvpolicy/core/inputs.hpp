@@ -58,6 +58,10 @@ struct Inputs {
   // The model's inverse RoPE frequencies [d/2] (Hugging Face's half-split rotation), for scorers
   // that rotate queries to future positions (expected); empty when the caller does not know them.
   std::span<const float> rope_inv_freq{};
+  // The absolute position of the first given query (the queries are those of the last n_q
+  // positions before the next token); -1: the cache's own, T - n_q (nothing evicted yet). A
+  // Session passes it, so that a scorer can tell the sequence's first tokens after eviction.
+  std::int64_t first_query_position = -1;
 
   std::int64_t state_row_stride() const { return state_stride > 0 ? state_stride : keys.tokens; }
 

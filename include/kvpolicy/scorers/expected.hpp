@@ -4,7 +4,8 @@
 //
 // Per query head, from the given queries (the last `window`):
 //  1. mean mu and covariance Sigma (divided by the count) of the queries as they would be at the
-//     next position P; queries at cache positions below `sinks` are left out (outliers);
+//     next position P; the queries of the sequence's first `sinks` positions are left out
+//     (outliers; positions from Inputs::first_query_position, else the cache's own);
 //  2. the RoPE rotation averaged over the next `future` positions, Rbar = mean_{j<future} R(j),
 //     applied as mu <- Rbar mu, Sigma <- Rbar Sigma Rbar^T;
 //  3. z_j = mu.k_j / sqrt(d) + k_j^T Sigma k_j / (2 d) (the log of the Gaussian moment-generating
@@ -20,7 +21,9 @@
 // the same, and so are the scores.
 // [ours] The query window. kvpress uses every prefill query; a Session keeps only the newest
 // `window` (default 1024) in its ring, which also serves decode-time compression. With a window at
-// least the prompt's length the scores equal kvpress's.
+// least the prompt's length the scores equal kvpress's. The given queries must be those of the
+// last n_q positions, the newest one just before the next token (a Session's ring is; callers of
+// Policy::select must pass them so): the rotation uses their offsets.
 // [ours] RoPE. The rotation is Hugging Face's half-split one (pairs (i, i + d/2)) with inverse
 // frequencies inv_freq[i] = theta^(-2i/d). `theta` in the spec sets them; otherwise the scorer
 // takes Inputs::rope_inv_freq, which an engine supplies (SessionConfig::rope_inv_freq; the
@@ -37,12 +40,14 @@
 
 namespace kvpolicy {
 
-// Inverse RoPE frequencies theta^(-2i/d), i < d/2, in fp32 as Hugging Face computes them.
+// Inverse RoPE frequencies theta^(-2i/d), i < d/2, as Hugging Face computes them (the exponent
+// 2i/d in fp32, the power, then 1 / it in fp32); the reference engine uses this too.
 inline std::vector<float> rope_inv_freq(double theta, std::int64_t head_dim) {
   std::vector<float> f(static_cast<std::size_t>(head_dim / 2));
-  for (std::size_t i = 0; i < f.size(); ++i)
-    f[i] = 1.0f / static_cast<float>(std::pow(theta, static_cast<double>(2 * i) /
-                                                         static_cast<double>(head_dim)));
+  for (std::size_t i = 0; i < f.size(); ++i) {
+    const float expo = static_cast<float>(2 * i) / static_cast<float>(head_dim);
+    f[i] = 1.0f / static_cast<float>(std::pow(theta, static_cast<double>(expo)));
+  }
   return f;
 }
 
@@ -50,7 +55,7 @@ struct ExpectedAttention {
   static constexpr std::string_view name = "expected";
   static constexpr std::int64_t kBlock = 256;  // keys per GEMM block
   std::int64_t window = 1024;  // newest queries whose statistics model the future ones
-  std::int64_t future = 512;   // future positions the rotation is averaged over
+  std::int64_t future = 512;   // future positions the rotation is averaged over (<= 65536)
   std::int64_t sinks = 4;      // first tokens: protected, and their queries left out
   bool cov = true;             // use the covariance term
   bool vnorm = true;           // multiply by ||v||
@@ -59,7 +64,8 @@ struct ExpectedAttention {
 
   void validate() const {
     KVP_REQUIRE(window >= 1, "expected: window must be >= 1, got ", window);
-    KVP_REQUIRE(future >= 1, "expected: future must be >= 1, got ", future);
+    KVP_REQUIRE(future >= 1 && future <= 65536, "expected: future must be in [1, 65536], got ",
+                future);
     KVP_REQUIRE(sinks >= 0, "expected: sinks must be >= 0, got ", sinks);
     KVP_REQUIRE(std::isfinite(eps) && eps >= 0, "expected: eps must be finite and >= 0, got ", eps);
     KVP_REQUIRE(theta == 0 || (std::isfinite(theta) && theta > 1),
@@ -109,6 +115,9 @@ struct ExpectedAttention {
       inv_freq.assign(in.rope_inv_freq.begin(), in.rope_inv_freq.end());
     }
     const std::int64_t half = d / 2, nq = std::min(window, q.tokens), q0 = q.tokens - nq;
+    // Absolute position of the first query used (the newest sits just before the next token).
+    const std::int64_t first_pos =
+        (in.first_query_position >= 0 ? in.first_query_position + q.tokens : Tk) - nq;
     // Averaged future rotation per frequency: Rbar = [[cbar, -sbar], [sbar, cbar]].
     std::vector<double> cbar(static_cast<std::size_t>(half)), sbar(cbar.size());
     for (std::int64_t f = 0; f < half; ++f) {
@@ -147,8 +156,7 @@ struct ExpectedAttention {
         std::int64_t n = 0;
         std::vector<double> rows;  // the rotated queries, for the covariance's second pass
         for (std::int64_t i = 0; i < nq; ++i) {
-          const std::int64_t pos_in_cache = Tk - (nq - i);
-          if (pos_in_cache < sinks) continue;
+          if (first_pos + i < sinks) continue;
           for (std::int64_t f = 0; f < half; ++f) {
             const auto at = static_cast<std::size_t>(i * half + f);
             const double c = qcos[at], s = qsin[at];

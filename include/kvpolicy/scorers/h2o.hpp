@@ -9,7 +9,7 @@
 // ObservedAttentionPress); with queries only, that count is T - max(j, T - n_q).
 // [ours] recent is a fraction of the budget (0..1) or, with recent_tokens=N, a token count.
 // preset=observed is kvpress's ObservedAttentionPress: recent_tokens=0, normalize=true (the
-// question-agnostic fidelity leader of the evaluation); later parameters override a preset.
+// question-agnostic fidelity leader of the evaluation); explicit parameters override it.
 #pragma once
 #include <cmath>
 

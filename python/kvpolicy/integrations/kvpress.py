@@ -134,7 +134,9 @@ class KVPolicyPress(BasePress):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.model_layers = int(config.num_hidden_layers)
-        self._rope = model_rope_inv_freq(model)
+        config_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        self._rope = model_rope_inv_freq(model, int(config_dim))
         # kvpress hooks every decoder layer but Gemma3's sliding-window ones (BasePress.__call__).
         inner = getattr(model, "model", None)
         inner = getattr(inner, "language_model", inner)

@@ -208,7 +208,7 @@ class KVPolicyCache(Cache):
                                   q_heads=self.q_heads, head_dim=self.head_dim, budget=budget,
                                   budget_tokens=budget_tokens, budget_total=budget_total,
                                   decode_interval=interval, initial_capacity=initial_capacity,
-                                  rope_inv_freq=model_rope_inv_freq(model))
+                                  rope_inv_freq=model_rope_inv_freq(model, self.head_dim))
         self.session = Session(self.policy, **self._session_args)
         self.fit_storage = bool(fit_storage)
         self._needs_queries = "queries" in self.policy.needs
