@@ -134,9 +134,7 @@ class KVPolicyPress(BasePress):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         self.model_layers = int(config.num_hidden_layers)
-        config_dim = getattr(config, "head_dim", None) or \
-            config.hidden_size // config.num_attention_heads
-        self._rope = model_rope_inv_freq(model, int(config_dim))
+        self._rope = model_rope_inv_freq(model)  # used where it covers the head (compress)
         # kvpress hooks every decoder layer but Gemma3's sliding-window ones (BasePress.__call__).
         inner = getattr(model, "model", None)
         inner = getattr(inner, "language_model", inner)
@@ -230,6 +228,9 @@ class KVPolicyPress(BasePress):
         k, v = _host(keys), _host(values)
         if q is not None and q.dtype != k.dtype:
             q = q.to(k.dtype)
+        # The model's RoPE frequencies where they rotate the whole head (not partial RoPE).
+        rope = self._rope if self._rope is not None and \
+            2 * self._rope.shape[0] == keys.shape[-1] else None
         rows = []
         counts = []
         for b in range(B):
@@ -239,7 +240,7 @@ class KVPolicyPress(BasePress):
                                    accumulated=None if acc is None else acc[b:b + 1],
                                    observed=obs,
                                    return_scores=True, first_layer=layer_idx,
-                                   model_layers=self.model_layers, rope_inv_freq=self._rope)
+                                   model_layers=self.model_layers, rope_inv_freq=rope)
             rows.append(r)
             counts.append(r.counts[0])
         width = max(int(c.max()) for c in counts)
