@@ -213,11 +213,12 @@ class Session {
     }
     KVP_REQUIRE(q.data || !has(policy_.needs(), Needs::queries),
                 "session.append: policy '", policy_.spec(), "' needs the queries; pass q");
-    require_finite(k, "k");
-    require_finite(v, "v");
     if (policy_.quantizer()) {  // checked before anything moves: packing them would fail later
       quant::require_quantizable(k, "session.append: k");
       quant::require_quantizable(v, "session.append: v");
+    } else {
+      require_finite(k, "k");
+      require_finite(v, "v");
     }
     const std::int64_t n = k.tokens;
     KVP_REQUIRE(delimiters.empty() || static_cast<std::int64_t>(delimiters.size()) == n,

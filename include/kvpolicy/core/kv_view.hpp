@@ -138,9 +138,12 @@ void validate(const KVView<T>& v, std::string_view what) {
 }
 
 // Checks that keys/values contain only finite numbers (NaN/Inf in the cache would make every
-// score meaningless and selection non-deterministic).
+// score meaningless and selection non-deterministic) and, when `max_abs` is given, that every
+// magnitude is below it (`why` says what needs that), in one pass.
 template <class T>
-void require_finite(const KVView<T>& v, std::string_view what) {
+void require_finite(const KVView<T>& v, std::string_view what,
+                    float max_abs = std::numeric_limits<float>::infinity(),
+                    std::string_view why = {}) {
   // An empty view may have huge other extents (validate() accepts [2^40][1][0][d]): no loop.
   if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
   for (std::int64_t l = 0; l < v.layers; ++l)
@@ -150,6 +153,8 @@ void require_finite(const KVView<T>& v, std::string_view what) {
           float x = to_float(v.at(l, h, t, i));
           KVP_REQUIRE(std::isfinite(x), what, " contains a non-finite value (", x, ") at layer ",
                       l, ", head ", h, ", token ", t, ", dim ", i);
+          KVP_REQUIRE(std::fabs(x) < max_abs, what, " holds ", x, " at layer ", l, ", head ", h,
+                      ", token ", t, ", dim ", i, ": ", why);
         }
 }
 

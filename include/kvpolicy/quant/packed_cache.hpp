@@ -65,19 +65,9 @@ inline constexpr float kMaxMagnitude = 0x1p100f;
 // Throws, naming the element, unless every element of `v` is finite and below kMaxMagnitude.
 template <class T>
 void require_quantizable(const KVView<T>& v, std::string_view what) {
-  if (v.layers == 0 || v.heads == 0 || v.tokens == 0 || v.dim == 0) return;
-  for (std::int64_t l = 0; l < v.layers; ++l)
-    for (std::int64_t h = 0; h < v.heads; ++h)
-      for (std::int64_t t = 0; t < v.tokens; ++t)
-        for (std::int64_t i = 0; i < v.dim; ++i) {
-          const float x = to_float(v.at(l, h, t, i));
-          KVP_REQUIRE(std::isfinite(x), what, " contains a non-finite value (", x,
-                      ") at layer ", l, ", head ", h, ", token ", t, ", dim ", i);
-          KVP_REQUIRE(std::fabs(x) < kMaxMagnitude, what, " holds ", x, " at layer ", l,
-                      ", head ", h, ", token ", t, ", dim ", i,
-                      ": a quantized cache takes magnitudes below 2^100 (the rotation and the "
-                      "norms would overflow fp32)");
-        }
+  require_finite(v, what, kMaxMagnitude,
+                 "a quantized cache takes magnitudes below 2^100 (the rotation and the norms "
+                 "would overflow fp32)");
 }
 
 // Tokens packed once a cache of `config` holds `size` tokens (the formula above).
