@@ -515,21 +515,67 @@ std::string render_report(json& results) {
     md += "## Throughput\n\nPrefill (chunks of 512 tokens) and greedy decode on this machine; a "
           "compressed row's prefill includes its compression (and, with int2, the packing of the "
           "survivors; int2 = 2-bit rotated codes, 32-token groups, the newest 128 tokens in fp32). "
-          "KV MiB: bytes of K and V held (fp32, or packed tiles + scales + norms + residual "
-          "window).\n\n";
+          "Decode tok/s: the median of 3 rounds in which every row's engine takes turns. Bytes "
+          "read per token: every weight matrix once (as held: GGUF types, or fp32 in the 'fp32 "
+          "weights' row) plus the K/V held (fp32, or packed tiles + scales + norms + residual "
+          "window). GB/s: those bytes times tokens/s, and the share of this machine's read "
+          "bandwidth measured in the same run";
+    if (thr[0].contains("memory_read_gb_per_s"))
+      md += fmt(" (%.1f GB/s, %lld threads)", thr[0]["memory_read_gb_per_s"].get<double>(),
+                static_cast<long long>(results.value("threads", 0)));
+    md += ".\n\n";
     std::vector<std::vector<std::string>> rows;
     for (const auto& t : thr) {
       std::string c = t["cache"];
       std::string esc;
       for (char ch : c) esc += ch == '|' ? std::string("\\|") : std::string(1, ch);
-      const double cm = t["compress_ms"];
+      const double cm = t["compress_ms"], tps = t["decode_tokens_per_s"];
+      const double kv = t["kv_bytes"].get<double>(), wb = t.value("weight_bytes_per_token", 0.0);
+      const double bw = t.value("memory_read_gb_per_s", 0.0), gbps = (kv + wb) * tps * 1e-9;
       rows.push_back({std::to_string(t["context"].get<std::int64_t>()), esc,
                       fmt("%.0f", t["prefill_tokens_per_s"].get<double>()),
-                      cm > 0 ? fmt("%.0f", cm) : "-", fmt("%.1f", t["decode_tokens_per_s"].get<double>()),
-                      fmt("%.1f", t["kv_bytes"].get<double>() / (1 << 20))});
+                      cm > 0 ? fmt("%.0f", cm) : "-", fmt("%.1f", tps),
+                      wb > 0 ? fmt("%.1f", wb / (1 << 20)) : "-", fmt("%.1f", kv / (1 << 20)),
+                      wb > 0 ? fmt("%.1f", gbps) : "-",
+                      wb > 0 && bw > 0 ? fmt("%.0f%%", 100 * gbps / bw) : "-"});
     }
-    md += markdown_table({"context", "cache", "prefill tok/s", "compress ms", "decode tok/s", "KV MiB"},
-                         rows) + "\n";
+    md += markdown_table({"context", "cache", "prefill tok/s", "compress ms", "decode tok/s",
+                          "weights MiB/token", "KV MiB", "GB/s read", "of bandwidth"},
+                         rows) +
+          "\n";
+    // The decode speed-up targets, per context: each ratio is between rows timed in the same
+    // rounds.
+    auto rate = [&](std::int64_t L, const std::string& cache) {
+      for (const auto& t : thr)
+        if (t["context"].get<std::int64_t>() == L && t["cache"].get<std::string>() == cache)
+          return t["decode_tokens_per_s"].get<double>();
+      return 0.0;
+    };
+    const std::string policy = results["config"].value("throughput_policy", std::string("snapkv"));
+    const double budget = results["config"].value("throughput_budget", 0.2);
+    const std::string evicted = fmt("%s @ %.0f%%", policy.c_str(), budget * 100);
+    std::vector<std::vector<std::string>> sp;
+    std::set<std::int64_t> contexts;
+    for (const auto& t : thr) contexts.insert(t["context"].get<std::int64_t>());
+    for (std::int64_t L : contexts) {
+      auto add = [&](const std::string& what, double num, double den, double target) {
+        if (num <= 0 || den <= 0) return;
+        const double r = num / den;
+        std::string shown;
+        for (char ch : what) shown += ch == '|' ? std::string("\\|") : std::string(1, ch);
+        sp.push_back({std::to_string(L), shown, fmt("%.2fx", r), fmt(">= %.1fx", target),
+                      r >= target ? "yes" : "**no**"});
+      };
+      add("full cache: GGUF weights / fp32 weights", rate(L, "full cache"),
+          rate(L, "full cache, fp32 weights"), 1.7);
+      add(evicted + " / full cache", rate(L, evicted), rate(L, "full cache"), 2.5);
+      add(policy + " | int2 @ " + fmt("%.0f%%", budget * 100) + " / " + evicted,
+          rate(L, policy + " | int2 @ " + fmt("%.0f%%", budget * 100)), rate(L, evicted), 1.0);
+    }
+    if (!sp.empty())
+      md += "Decode speed-ups (targets of issue 20, set for 8K):\n\n" +
+            markdown_table({"context", "ratio of decode tok/s", "measured", "target", "met"}, sp) +
+            "\n";
   }
   std::string times;
   for (const auto& [k, v] : results["seconds"].items())

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -41,16 +43,11 @@ int thread_count(int requested) {
 constexpr double kParallelMacs = 8e6;
 constexpr Eigen::Index kBlockRows = 96;  // two AVX-512 panels; a multiple of every panel size
 
-void linear(const Matrix& x, const Matrix& w, Matrix& y, int threads) {
-  y.resize(x.rows(), w.rows());
-  const Eigen::Index out = w.rows(), blocks = (out + kBlockRows - 1) / kBlockRows;
-  const double macs =
-      static_cast<double>(x.rows()) * static_cast<double>(w.rows()) * static_cast<double>(w.cols());
-  auto block = [&](Eigen::Index b) {
-    const Eigen::Index r0 = b * kBlockRows, n = std::min(kBlockRows, out - r0);
-    y.middleCols(r0, n).noalias() = x * w.middleRows(r0, n).transpose();
-  };
-  if (threads <= 1 || macs < kParallelMacs) {
+// Runs block(b) for b < blocks on the calling thread (Eigen kept single-threaded) or spread over
+// `threads` OpenMP threads.
+template <class F>
+void for_blocks(Eigen::Index blocks, bool parallel, int threads, F&& block) {
+  if (!parallel || threads <= 1) {
 #if defined(_OPENMP)
     // Eigen would otherwise start omp_get_max_threads() threads of its own.
     const int saved = omp_get_max_threads();
@@ -66,6 +63,58 @@ void linear(const Matrix& x, const Matrix& w, Matrix& y, int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
 #endif
   for (Eigen::Index b = 0; b < blocks; ++b) block(b);
+}
+
+// Decode: up to kMatvecMaxRows activation rows read the weights in their stored type
+// (engine/weights.hpp), in blocks of kMatvecBlockRows weight rows. Matrix-vector products are
+// bound by the bytes of W, so parallel threads pay off from fewer multiply-adds than a GEMM's;
+// products that read the same activations (Q, K and V; gate and up) share one parallel region,
+// so a decode step opens four per layer.
+constexpr Eigen::Index kMatvecBlockRows = 64;
+constexpr double kParallelMatvecMacs = 1e5;
+
+struct Product {
+  const WeightMatrix* w;
+  Matrix* y;
+};
+
+// y = x W^T for every (W, y) in `ps`; the blocks of all of them are the work items of one loop.
+void linear(const Matrix& x, std::initializer_list<Product> ps, int threads) {
+  const bool decode = x.rows() <= kMatvecMaxRows;
+  const Eigen::Index rows_per_block = decode ? kMatvecBlockRows : kBlockRows;
+  struct Item {
+    const Product* p;
+    Eigen::Index r0, n;
+  };
+  std::vector<Item> items;
+  double macs = 0;
+  for (const Product& p : ps) {
+    p.y->resize(x.rows(), p.w->rows());
+    macs += static_cast<double>(x.rows()) * static_cast<double>(p.w->rows()) *
+            static_cast<double>(p.w->cols());
+    for (Eigen::Index r0 = 0; r0 < p.w->rows(); r0 += rows_per_block)
+      items.push_back({&p, r0, std::min(rows_per_block, p.w->rows() - r0)});
+  }
+  const bool parallel = macs >= (decode ? kParallelMatvecMacs : kParallelMacs);
+  for_blocks(static_cast<Eigen::Index>(items.size()), parallel, threads, [&](Eigen::Index b) {
+    const Item& it = items[static_cast<std::size_t>(b)];
+    const WeightMatrix& w = *it.p->w;
+    Matrix& y = *it.p->y;
+    if (decode) {
+      matvec(w, x.data(), x.rows(), x.cols(), it.r0, it.n, y.data() + it.r0, y.cols());
+      return;
+    }
+    // Prefill: the block's weight rows are dequantized (exact fp32 values) into a scratch
+    // matrix and multiplied with one single-threaded Eigen GEMM.
+    thread_local Matrix wb;
+    wb.resize(it.n, w.cols());
+    w.dequantize_rows(it.r0, it.n, wb.data());
+    y.middleCols(it.r0, it.n).noalias() = x * wb.transpose();
+  });
+}
+
+void linear(const Matrix& x, const WeightMatrix& w, Matrix& y, int threads) {
+  linear(x, {Product{&w, &y}}, threads);
 }
 
 // out = x / rms(x) * weight, row by row (fp32, as Hugging Face computes it).
@@ -119,8 +168,8 @@ SessionConfig Engine::session_config(const Model& m, const EngineConfig& c) {
   return s;
 }
 
-Engine::Engine(const Engine& src, EngineConfig cfg, Session<float> session)
-    : model_(src.model_),
+Engine::Engine(const Engine& src, EngineConfig cfg, Session<float> session, const Model* model)
+    : model_(model ? *model : src.model_),
       cfg_(std::move(cfg)),
       session_(std::move(session)),
       position_(src.position_),
@@ -143,6 +192,15 @@ Engine Engine::fork(const std::string& policy, Budget budget, std::int64_t decod
               "' cuts chunks at other delimiters than the ones this engine recorded; run the "
               "full-cache engine with the same semantic(delimiters=...)");
   return Engine(*this, cfg, session_.fork(std::move(p), budget, decode_interval, decode_target));
+}
+
+Engine Engine::with_model(const Model& other) const {
+  const ModelConfig &a = model_.config(), &b = other.config();
+  KVP_REQUIRE(a.n_layers == b.n_layers && a.n_embd == b.n_embd && a.n_ff == b.n_ff &&
+                  a.n_head == b.n_head && a.n_head_kv == b.n_head_kv &&
+                  a.head_dim == b.head_dim && a.n_vocab == b.n_vocab,
+              "engine.with_model: the other model's shape differs from this engine's");
+  return Engine(*this, cfg_, session_, &other);
 }
 
 void Engine::compress_now() {
@@ -199,7 +257,8 @@ void Engine::forward_multi(std::span<Engine* const> es,
   x.resize(rows, c.n_embd);
   for (std::size_t s = 0; s < es.size(); ++s)
     for (std::size_t i = 0; i < toks[s].size(); ++i)
-      x.row(row0[s] + static_cast<std::int64_t>(i)) = w.token_embd.row(toks[s][i]);
+      w.token_embd.dequantize_rows(toks[s][i], 1,
+                                   x.row(row0[s] + static_cast<std::int64_t>(i)).data());
 
   // Chunk-delimiter flags of every row (semantic merger), from each engine's table.
   std::vector<std::uint8_t> delim(static_cast<std::size_t>(rows));
@@ -238,9 +297,8 @@ void Engine::forward_multi(std::span<Engine* const> es,
   for (std::int64_t l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[static_cast<std::size_t>(l)];
     rms_norm(x, L.attn_norm, c.rms_eps, xn);
-    linear(xn, L.wq, e0.q_, threads);
-    linear(xn, L.wk, e0.k_, threads);
-    linear(xn, L.wv, e0.v_, threads);
+    linear(xn, {Product{&L.wq, &e0.q_}, Product{&L.wk, &e0.k_}, Product{&L.wv, &e0.v_}},
+           threads);
     rope(e0.q_, Hq);
     rope(e0.k_, Hkv);
     e0.attn_.resize(rows, Hq * d);
@@ -269,8 +327,7 @@ void Engine::forward_multi(std::span<Engine* const> es,
     x += xn;
 
     rms_norm(x, L.ffn_norm, c.rms_eps, xn);
-    linear(xn, L.w_gate, e0.gate_, threads);
-    linear(xn, L.w_up, e0.up_, threads);
+    linear(xn, {Product{&L.w_gate, &e0.gate_}, Product{&L.w_up, &e0.up_}}, threads);
     e0.gate_ = (e0.gate_.array() / (1.0f + (-e0.gate_.array()).exp()))
                    .cwiseProduct(e0.up_.array())
                    .matrix();

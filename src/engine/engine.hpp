@@ -3,8 +3,9 @@
 // Session::append(K, V, Q) -> Session::attend (the library's GQA attention over the possibly
 // compressed, ragged cache) -> output projection -> RMSNorm -> SwiGLU MLP. Prefill runs the
 // prompt as chunked GEMMs and then compresses every layer to the budget; decode steps evict for
-// decode-time policies (H2O). fp32 throughout; Eigen GEMMs (OpenMP) for prefill, row-parallel
-// GEMV for single tokens. Greedy decoding and teacher forcing for the accuracy benchmark.
+// decode-time policies (H2O). Weights stay in their GGUF types (engine/weights.hpp); activations,
+// K/V and attention are fp32. Prefill chunks run as Eigen GEMMs (OpenMP) on blocks of exactly
+// dequantized weight rows; decode steps run SIMD dot products on the stored Q4_1/Q8_0 blocks. Greedy decoding and teacher forcing for the accuracy benchmark.
 // Determinism: every result is bitwise the same for any thread count (the GEMMs run in fixed
 // blocks of weight rows, attention in fixed blocks of query rows). It is not the same between
 // builds of different SIMD width: Eigen's kernels round differently with AVX-512 and FMA than
@@ -105,6 +106,10 @@ class Engine {
   // (and record_attention for H2O); see Session::fork.
   Engine fork(const std::string& policy, Budget budget, std::int64_t decode_interval = 0,
               std::optional<Budget> decode_target = std::nullopt) const;
+  // A copy of this engine (cache, position, last logits, configuration) that runs `other`, a model
+  // of the same shape: e.g. the same GGUF file loaded with fp32 weights, to time both weight
+  // formats on one cache. Throws if the shapes differ.
+  Engine with_model(const Model& other) const;
   // Compresses every layer that is due (what prefill() does at its end).
   void compress_now();
 
@@ -123,7 +128,8 @@ class Engine {
                             bool evict_after_each_layer);
   void logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const;
   static SessionConfig session_config(const Model& m, const EngineConfig& c);
-  Engine(const Engine& src, EngineConfig cfg, Session<float> session);
+  Engine(const Engine& src, EngineConfig cfg, Session<float> session,
+         const Model* model = nullptr);
 
   const Model& model_;
   EngineConfig cfg_;

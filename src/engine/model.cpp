@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "engine/ggml_types.hpp"
 #include "kvpolicy/core/error.hpp"
 
 namespace kvpolicy::engine {
@@ -47,20 +48,30 @@ std::int64_t get_dim(const GgufFile& f, const std::string& key, std::int64_t fal
 // and rotate the half-split pairs (i, i + d/2) instead: the math is identical (q.k is invariant
 // to permuting both), and the K and Q that reach the Session, the capture hook and any dump
 // have exactly the layout Hugging Face, vLLM and the policies' papers use.
-Matrix unpermute_rows(const Matrix& w, std::int64_t heads, std::int64_t d) {
-  Matrix out(w.rows(), w.cols());
+WeightMatrix unpermute_rows(const WeightMatrix& w, std::int64_t heads, std::int64_t d) {
+  std::vector<std::int64_t> src(static_cast<std::size_t>(w.rows()));
   for (std::int64_t h = 0; h < heads; ++h)
     for (std::int64_t i = 0; i < d / 2; ++i)
       for (std::int64_t j = 0; j < 2; ++j)
-        out.row(h * d + j * (d / 2) + i) = w.row(h * d + 2 * i + j);
-  return out;
+        src[static_cast<std::size_t>(h * d + j * (d / 2) + i)] = h * d + 2 * i + j;
+  return w.permute_rows(src);
 }
 
-Matrix load_matrix(const GgufFile& f, const std::string& name, std::int64_t rows,
-                   std::int64_t cols) {
-  std::vector<float> v =
-      f.dequantize(name, {static_cast<std::uint64_t>(cols), static_cast<std::uint64_t>(rows)});
-  return Eigen::Map<Matrix>(v.data(), rows, cols);
+// A [rows][cols] matrix (GGUF dims [cols, rows]) in its stored type, or dequantized to fp32.
+WeightMatrix load_matrix(const GgufFile& f, const std::string& name, std::int64_t rows,
+                         std::int64_t cols, bool f32) {
+  const GgufTensorInfo& t = f.tensor(name);
+  const std::vector<std::uint64_t> want = {static_cast<std::uint64_t>(cols),
+                                           static_cast<std::uint64_t>(rows)};
+  if (f32 || t.dims != want) {  // dequantize() checks the shape and names it
+    const std::vector<float> v =
+        f.dequantize(name, {static_cast<std::uint64_t>(cols), static_cast<std::uint64_t>(rows)});
+    return WeightMatrix::f32(v, rows, cols);
+  }
+  const auto info = ggml_type_info(t.type);
+  KVP_REQUIRE(info && info->dequantizable, "model: ", f.origin(), ": tensor '", name,
+              "' has type ", ggml_type_name(t.type), ", which this engine cannot compute with");
+  return WeightMatrix(t.type, rows, cols, f.tensor_data(t));
 }
 
 Vector load_vector(const GgufFile& f, const std::string& name, std::int64_t n) {
@@ -115,12 +126,31 @@ ModelConfig Model::read_config(const GgufFile& f) {
   return c;
 }
 
-std::unique_ptr<Model> Model::load(const std::string& path) {
+std::unique_ptr<Model> Model::load(const std::string& path, bool f32_weights) {
   KVP_REQUIRE(std::filesystem::exists(path), missing_model_message(path));
-  return load(GgufFile::open(path));
+  return load(GgufFile::open(path), f32_weights);
 }
 
-std::unique_ptr<Model> Model::load(const GgufFile& f) {
+std::size_t ModelWeights::matrix_bytes() const {
+  std::size_t b = token_embd.memory_bytes() + output.memory_bytes();
+  for (const LayerWeights& L : layers)
+    for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      b += m->memory_bytes();
+  return b;
+}
+
+std::size_t ModelWeights::matrix_bytes_f32() const {
+  auto f32 = [](const WeightMatrix& m) {
+    return static_cast<std::size_t>(m.rows() * m.cols()) * sizeof(float);
+  };
+  std::size_t b = f32(token_embd) + f32(output);
+  for (const LayerWeights& L : layers)
+    for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      b += f32(*m);
+  return b;
+}
+
+std::unique_ptr<Model> Model::load(const GgufFile& f, bool f32_weights) {
   std::unique_ptr<Model> m(new Model());
   m->cfg_ = read_config(f);
   m->tok_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(f));
@@ -128,8 +158,9 @@ std::unique_ptr<Model> Model::load(const GgufFile& f) {
   KVP_REQUIRE(m->tok_->n_vocab() == c.n_vocab, "model: ", f.origin(), ": the tokenizer has ",
               m->tok_->n_vocab(), " tokens but token_embd.weight has ", c.n_vocab, " rows");
   ModelWeights& w = m->w_;
-  w.token_embd = load_matrix(f, "token_embd.weight", c.n_vocab, c.n_embd);
-  if (!c.tied_embeddings) w.output = load_matrix(f, "output.weight", c.n_vocab, c.n_embd);
+  const bool f32 = f32_weights;
+  w.token_embd = load_matrix(f, "token_embd.weight", c.n_vocab, c.n_embd, f32);
+  if (!c.tied_embeddings) w.output = load_matrix(f, "output.weight", c.n_vocab, c.n_embd, f32);
   w.output_norm = load_vector(f, "output_norm.weight", c.n_embd);
   if (f.find_tensor("rope_freqs.weight"))
     w.rope_freq_factors = load_vector(f, "rope_freqs.weight", c.head_dim / 2);
@@ -141,13 +172,13 @@ std::unique_ptr<Model> Model::load(const GgufFile& f) {
     const std::string p = "blk." + std::to_string(l) + ".";
     L.attn_norm = load_vector(f, p + "attn_norm.weight", E);
     L.ffn_norm = load_vector(f, p + "ffn_norm.weight", E);
-    L.wq = unpermute_rows(load_matrix(f, p + "attn_q.weight", c.n_head * d, E), c.n_head, d);
-    L.wk = unpermute_rows(load_matrix(f, p + "attn_k.weight", c.n_head_kv * d, E), c.n_head_kv, d);
-    L.wv = load_matrix(f, p + "attn_v.weight", c.n_head_kv * d, E);
-    L.wo = load_matrix(f, p + "attn_output.weight", E, c.n_head * d);
-    L.w_gate = load_matrix(f, p + "ffn_gate.weight", F, E);
-    L.w_up = load_matrix(f, p + "ffn_up.weight", F, E);
-    L.w_down = load_matrix(f, p + "ffn_down.weight", E, F);
+    L.wq = unpermute_rows(load_matrix(f, p + "attn_q.weight", c.n_head * d, E, f32), c.n_head, d);
+    L.wk = unpermute_rows(load_matrix(f, p + "attn_k.weight", c.n_head_kv * d, E, f32), c.n_head_kv, d);
+    L.wv = load_matrix(f, p + "attn_v.weight", c.n_head_kv * d, E, f32);
+    L.wo = load_matrix(f, p + "attn_output.weight", E, c.n_head * d, f32);
+    L.w_gate = load_matrix(f, p + "ffn_gate.weight", F, E, f32);
+    L.w_up = load_matrix(f, p + "ffn_up.weight", F, E, f32);
+    L.w_down = load_matrix(f, p + "ffn_down.weight", E, F, f32);
   }
   return m;
 }

@@ -1,6 +1,7 @@
-// A Llama-architecture model loaded from GGUF: hyper-parameters, the tokenizer, and every weight
-// dequantized once to fp32 (row-major [out][in], as Eigen GEMMs want them). Immutable after
-// load, so many Engines (sequences) can share one Model.
+// A Llama-architecture model loaded from GGUF: hyper-parameters, the tokenizer, and the weight
+// matrices in their GGUF storage type (row-major [out][in]; engine/weights.hpp computes on them
+// without an fp32 copy), norms in fp32. Immutable after load, so many Engines (sequences) can
+// share one Model.
 #pragma once
 #include "kvpolicy/core/eigen.hpp"
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "engine/gguf.hpp"
 #include "engine/tokenizer.hpp"
+#include "engine/weights.hpp"
 
 namespace kvpolicy::engine {
 
@@ -26,17 +28,20 @@ struct ModelConfig {
 
 struct LayerWeights {
   Vector attn_norm, ffn_norm;
-  Matrix wq, wk, wv, wo;        // [Hq*d][E], [Hkv*d][E], [Hkv*d][E], [E][Hq*d]
-  Matrix w_gate, w_up, w_down;  // [F][E], [F][E], [E][F]
+  WeightMatrix wq, wk, wv, wo;        // [Hq*d][E], [Hkv*d][E], [Hkv*d][E], [E][Hq*d]
+  WeightMatrix w_gate, w_up, w_down;  // [F][E], [F][E], [E][F]
 };
 
 struct ModelWeights {
-  Matrix token_embd;  // [V][E]
-  Matrix output;      // [V][E]; empty when tied to token_embd
+  WeightMatrix token_embd;  // [V][E]
+  WeightMatrix output;      // [V][E]; empty when tied to token_embd
   Vector output_norm;
   Vector rope_freq_factors;  // optional [d/2] divisors of the RoPE frequencies (Llama 3.1)
   std::vector<LayerWeights> layers;
-  const Matrix& lm_head() const { return output.size() ? output : token_embd; }
+  const WeightMatrix& lm_head() const { return output.empty() ? token_embd : output; }
+  // Bytes of the weight matrices as held (what a decode step reads), and of their fp32 copies.
+  std::size_t matrix_bytes() const;
+  std::size_t matrix_bytes_f32() const;
 };
 
 // $KVPOLICY_MODEL if set, else
@@ -48,8 +53,11 @@ std::string missing_model_message(const std::string& path);
 class Model {
  public:
   // Loads a Llama-family GGUF; a missing file raises an Error that says how to fetch the default.
-  static std::unique_ptr<Model> load(const std::string& path);
-  static std::unique_ptr<Model> load(const GgufFile& file);
+  // `f32_weights`: dequantize every matrix to fp32 at load (what the engine held before it kept
+  // the GGUF types; the throughput benchmark runs both side by side). Prefill results are the
+  // same either way; decode products differ in rounding only (engine/weights.hpp).
+  static std::unique_ptr<Model> load(const std::string& path, bool f32_weights = false);
+  static std::unique_ptr<Model> load(const GgufFile& file, bool f32_weights = false);
   // Hyper-parameters only (no weights); validates them. Used by load and by the fuzzer.
   static ModelConfig read_config(const GgufFile& file);
 
