@@ -74,7 +74,7 @@ void report_times(const char* const dts[2], const std::int64_t ts[2]) {
       }
   std::printf(
       "\nsnapkv_compress = Pipeline<SnapKV(window=32,kernel=7,max), Uniform>::select + "
-      "cpu::compact(K) + cpu::compact(V) (what Session runs); snapkv_compress_checked = "
+      "cpu::compact(K, V) (what Session runs); snapkv_compress_checked = "
       "Pipeline::compress, which adds the NaN/Inf scan of K, V and Q. h2o_compress = select from "
       "Inputs::accumulated + compact K, V and the accumulator. h2o_prefill_accumulate at "
       "T=32768 is not run: it is O(T^2 d Hq), ~64x the T=4096 time per layer on this CPU.\n");
