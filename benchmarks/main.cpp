@@ -240,8 +240,15 @@ void report_alloc() {
       "of K and V (and of the H2O accumulator), 20%% budget; reference = the same with the "
       "uniform split, alternating inside one benchmark. Overhead = 1 - median(t_uniform / "
       "t_chain). ams reads the GQA-mean attention of the last 32 queries: with snapkv it shares "
-      "the scorer's window attention, with h2o (which scores from its accumulator) it computes "
-      "it, so there most of its cost is that attention.\n");
+      "the scorer's window attention (Stats), with h2o it computes it, and that attention is "
+      "most of its cost (2 Hq w T d = 8.6 GFLOP at T=32768, ~15x the rest of the event). It "
+      "cannot be shared there: h2o scores from its accumulator, the sum of the attention of "
+      "every query so far, and nothing in the event holds the last 32 queries' share of it "
+      "(the accumulator minus a copy taken 32 queries earlier is not one: the window is about "
+      "w/T of each sum, so fp32 cancellation leaves a relative error near 2^-24 T/w). Sharing "
+      "would take a second, windowed accumulator filled by the attention that fills the first "
+      "(cpu::attention's accumulate, for the last w queries before an event); until then "
+      "`h2o | ams` pays for the window attention.\n");
 }
 
 void report_expected() {
