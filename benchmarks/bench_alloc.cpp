@@ -64,8 +64,7 @@ void bm_overhead(benchmark::State& state, std::int64_t tokens, std::string key, 
   ev_uniform.alloc_state = nullptr;
   const auto compress = [&](const auto& pipe, const EventInfo& e) {
     Selection sel = pipe.select(be, in, Budget::ratio(kKeepRatio), e);
-    cpu::compact(be, data.keys(), sel);
-    cpu::compact(be, data.values(), sel);
+    cpu::compact(be, data.keys(), data.values(), sel);
     if constexpr (std::is_same_v<S, H2O>) cpu::compact_state(be, data.acc.data(), 0, tokens, sel);
     benchmark::DoNotOptimize(sel.total());
   };

@@ -26,8 +26,7 @@ void bm_compress(benchmark::State& state, std::int64_t tokens, std::string key) 
   time_op(state, key, 0, [&] { data.restore(keep); },
           [&] {
             Selection sel = pipe.select(be, in, Budget::ratio(kKeepRatio));
-            cpu::compact(be, data.keys(), sel);
-            cpu::compact(be, data.values(), sel);
+            cpu::compact(be, data.keys(), data.values(), sel);
             cpu::compact_state(be, data.acc.data(), 0, tokens, sel);
             benchmark::DoNotOptimize(sel.total());
           });

@@ -37,8 +37,7 @@ void bm_compress(benchmark::State& state, std::int64_t tokens, std::string key) 
   time_op(state, key, 0, [&] { data.restore(keep); },
           [&] {
             Selection sel = pipe.select(be, in, Budget::ratio(kKeepRatio));
-            cpu::compact(be, data.keys(), sel);
-            cpu::compact(be, data.values(), sel);
+            cpu::compact(be, data.keys(), data.values(), sel);
             benchmark::DoNotOptimize(sel.total());
           });
   data.restore(keep);

@@ -110,8 +110,10 @@ void compact_kv(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& v
                 "values shape does not match keys");
     sel.validate(values.tokens);
   }
-  cpu::compact(be, keys, sel);
-  if (values.data) cpu::compact(be, values, sel);
+  if (values.data)
+    cpu::compact(be, keys, values, sel);  // one parallel region for both
+  else
+    cpu::compact(be, keys, sel);
 }
 
 template <Element T>

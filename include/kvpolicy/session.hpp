@@ -454,8 +454,7 @@ class Session {
     }
     L.budgets = std::move(budgets);
     L.since = 0;
-    cpu::compact(cfg_.backend, k_mut, sel);
-    cpu::compact(cfg_.backend, v_mut, sel);
+    cpu::compact(cfg_.backend, k_mut, v_mut, sel);
     cpu::compact_state(cfg_.backend, L.positions.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.acc.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.observed.data(), 0, L.capacity, sel);

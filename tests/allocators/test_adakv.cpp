@@ -119,6 +119,30 @@ TEST_CASE("adakv: random layers match the naive reference exactly", "[allocators
   }
 }
 
+TEST_CASE("adakv: long rows (the histogram's edge bucket, ties across heads) match the naive "
+          "reference", "[allocators][adakv]") {
+  // adakv finds the pool's best entries with a histogram of the keys' top 16 bits: scores in
+  // [1, 2) share sign and exponent, so thousands of entries land in each bucket and the edge
+  // bucket is partly sorted; a few score levels make equal keys in several heads (same token,
+  // same score), which the head order breaks; negative and zero scores, other buckets.
+  kvtest::Rng rng(29);
+  for (int it = 0; it < 12; ++it) {
+    const std::int64_t L = 2, H = rng.integer(2, 6), T = rng.integer(1000, 3000);
+    const Protect p{rng.integer(0, 4), rng.integer(0, 64)};
+    const double alpha = rng.integer(0, 3) * 0.1;
+    ScoreMap s = alloc_test::random_scores(rng, L, H, T, it % 3 == 0 ? 5 : 0);
+    for (std::int64_t i = 0; i < L * H * T; ++i) {
+      float& x = s.data()[i];
+      if (it % 3 == 1) x += 1.0f;           // one exponent
+      if (it % 3 == 2) x = 4.0f * x - 2.0f;  // both signs
+    }
+    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
+    for (auto& x : b) x = rng.integer(p.total(T), T / 3);
+    INFO("it=" << it << " H=" << H << " T=" << T << " alpha=" << alpha);
+    REQUIRE(run(alpha, s, b, p) == naive_adakv(s, b, p, alpha));
+  }
+}
+
 TEST_CASE("adakv: kept sets through a Policy are physically ragged", "[allocators][adakv]") {
   kvtest::Rng rng(8);
   const std::int64_t L = 2, H = 4, T = 96, B = 30;

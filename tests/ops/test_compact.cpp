@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -129,6 +130,67 @@ TEST_CASE("compact moves the kept rows' values (hand-checked)", "[ops]") {
   sel.kept(0, 0) = {1, 4, 5};
   kvpolicy::cpu::compact(kvpolicy::cpu_backend{1}, KVView<float>::hnd(buf.data(), 1, 1, 6, 2), sel);
   CHECK(buf == std::vector<float>{10, 11, 40, 41, 50, 51, 30, 31, 40, 41, 50, 51});
+}
+
+TEMPLATE_TEST_CASE("compact: the streamed path (non-temporal stores) gives the same bytes",
+                   "[ops]", float, kvpolicy::half) {
+  // compact() streams only above kStreamBytes per call; detail::compact_head takes the choice
+  // directly, so small hand-built cases cover it. Row sizes: 16 bytes (one chunk), 48 (no whole
+  // 64-byte block), 80 (one block and a tail), 256 and 512 bytes; the buffer starts 0, 16 or 48
+  // bytes past a 64-byte boundary, so row boundaries fall anywhere inside cache lines.
+  const std::int64_t D = GENERATE(8, 24, 40, 128, 256) / static_cast<std::int64_t>(sizeof(TestType) / 2);
+  const std::size_t skew = GENERATE(0, 16, 48);
+  kvtest::Rng rng(3000 + static_cast<int>(D * 3 + static_cast<std::int64_t>(skew)));
+  for (int trial = 0; trial < 8; ++trial) {
+    const std::int64_t L = 1, H = 2, N = rng.integer(1, 70);
+    INFO("D=" << D << " skew=" << skew << " N=" << N);
+    const auto before = rng.normals<TestType>(L * H * N * D);
+    // A 64-byte aligned buffer, then `skew` bytes in (a multiple of 16: the element alignment
+    // of a large malloc).
+    std::vector<unsigned char> raw(before.size() * sizeof(TestType) + 128);
+    auto* aligned = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<std::uintptr_t>(raw.data()) + 63) / 64 * 64);
+    auto* p = reinterpret_cast<TestType*>(aligned + skew);
+    std::memcpy(static_cast<void*>(p), before.data(), before.size() * sizeof(TestType));
+    const auto view = KVView<TestType>::hnd(p, L, H, N, D);
+    const Selection sel = random_selection(rng, L, H, N);
+    for (std::int64_t h = 0; h < H; ++h)
+      kvpolicy::cpu::detail::compact_head(view, 0, h, sel.kept(0, h), /*stream=*/true);
+    std::vector<TestType> got(before.size());
+    std::memcpy(static_cast<void*>(got.data()), p, got.size() * sizeof(TestType));
+    REQUIRE(kvtest::bytes_of(got) == kvtest::bytes_of(reference(before, Form::hnd, L, H, N, D, sel)));
+  }
+}
+
+TEMPLATE_TEST_CASE("compact(keys, values): the same bytes as two calls, checked before writing",
+                   "[ops]", float, kvpolicy::half) {
+  const Form form = GENERATE(Form::hnd, Form::nhd, Form::padded);
+  const std::int64_t D = GENERATE(3, 64);
+  kvtest::Rng rng(4000 + static_cast<int>(form) * 7 + static_cast<int>(D));
+  for (int trial = 0; trial < 6; ++trial) {
+    const std::int64_t L = rng.integer(1, 2), H = rng.integer(1, 4), N = rng.integer(1, 40);
+    INFO("form " << static_cast<int>(form) << " L=" << L << " H=" << H << " N=" << N << " D=" << D);
+    auto k = rng.normals<TestType>(buffer_size(form, L, H, N, D));
+    auto v = rng.normals<TestType>(buffer_size(form, L, H, N, D));
+    const auto k0 = k, v0 = v;
+    const Selection sel = random_selection(rng, L, H, N);
+    kvpolicy::cpu::compact(kvpolicy::cpu_backend{trial % 3}, make_view(form, k.data(), L, H, N, D),
+                           make_view(form, v.data(), L, H, N, D), sel);
+    REQUIRE(kvtest::bytes_of(k) == kvtest::bytes_of(reference(k0, form, L, H, N, D, sel)));
+    REQUIRE(kvtest::bytes_of(v) == kvtest::bytes_of(reference(v0, form, L, H, N, D, sel)));
+  }
+  // A selection that does not fit the values leaves the keys as they were too.
+  std::vector<float> k(2 * 8 * 4, 1.f), v(2 * 6 * 4, 2.f);
+  const auto kb = k, vb = v;
+  Selection sel(1, 2);
+  sel.kept(0, 0) = {1, 7};
+  sel.kept(0, 1) = {0, 2};
+  CHECK_THROWS_WITH(kvpolicy::cpu::compact(kvpolicy::cpu_backend{2},
+                                           KVView<float>::hnd(k.data(), 1, 2, 8, 4),
+                                           KVView<float>::hnd(v.data(), 1, 2, 6, 4), sel),
+                    Contains("index 7 at layer 0, head 0 is outside [0, 6)"));
+  CHECK(k == kb);
+  CHECK(v == vb);
 }
 
 TEMPLATE_TEST_CASE("compact_state moves per-token state with the rows", "[ops]", float,
