@@ -219,6 +219,30 @@ TEST_CASE("packed attention equals attention over the dequantized cache", "[quan
   CHECK(run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap, 1) == out);
 }
 
+TEST_CASE("packed attention at decode: long heads split into chunks, merged exactly", "[quant]") {
+  // One query row per query head (decode) over heads long enough to be cut into several chunks
+  // of 16 units (tiles or residual pieces): 1500 tokens at G = 32 are 46 tiles + 1 residual
+  // piece = 3 chunks, 700 tokens 2 chunks, 20 tokens (residual only) one.
+  const int bits = GENERATE(2, 4);
+  const bool causal = GENERATE(false, true);
+  const std::int64_t Hkv = 3, g = 3, d = 64, cap = 1500, nq = 1;
+  const q::QuantConfig c{bits, 32, 40, true, true};
+  kvtest::Rng rng(static_cast<std::uint64_t>(bits * 10 + causal));
+  auto k = rng.normals(Hkv * cap * d, 2.0f), v = rng.normals(Hkv * cap * d), qs = rng.normals(Hkv * g * nq * d);
+  std::vector<float> bias(static_cast<std::size_t>(Hkv * cap));
+  for (auto& b : bias) b = std::log(static_cast<float>(rng.integer(1, 5)));
+  const std::vector<std::int64_t> lengths = {1500, 700, 20};
+  const auto caches = make_caches(c, k, v, cap, d, lengths);
+  REQUIRE(caches[0].tiles() > 32);
+  std::vector<float> kd(k.size()), vd(v.size());
+  for (std::int64_t h = 0; h < Hkv; ++h) caches[static_cast<std::size_t>(h)].decode(kd.data() + h * cap * d, vd.data() + h * cap * d);
+  const auto out = run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap);
+  const auto ref = dense_attention(kd, vd, cap, d, lengths, qs, Hkv * g, nq, causal, bias.data(), cap);
+  INFO("bits " << bits << " causal " << causal << ": max |out - ref| = " << max_diff(out, ref));
+  CHECK(max_diff(out, ref) < 3e-5 * std::max(1.0, max_abs(ref)));
+  for (int threads : {1, 3}) CHECK(run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap, threads) == out);
+}
+
 namespace {
 
 // Keys with a shared offset in a few outlier channels (queries point away from it, so normal

@@ -6,7 +6,8 @@
 // which equals the plain attention over the dequantized cache (see quantizer.hpp: K~, V~, n).
 // GQA: query head q reads KV head q / (Hq / Hkv); the tiles of a KV head are unpacked once for all
 // its query heads and queries. causal: query i of n_q sees the first len - n_q + i + 1 tokens
-// (as cpu::attention). Deterministic and independent of the thread count (one KV head per task).
+// (as cpu::attention). Deterministic and independent of the thread count (work items are a KV
+// head, or at decode a fixed chunk of its tiles; see packed_attention).
 //
 // A tile is unpacked to y = code - zero (small exact integers) and each block's scale is folded
 // into the other factor instead of into y (block.hpp: a dequantized value is y * scale):
@@ -197,7 +198,34 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
   with_block(cfg.bits, cfg.group, [&](auto blk) {
     using Blk = decltype(blk);
     constexpr int G = Blk::group;
-    cpu::parallel_for(be, Hkv, [&](std::int64_t h) {
+    // Work units of a KV head: its packed tiles, then its residual in pieces of up to G tokens.
+    // At decode (few query rows) a head's units are split into chunks of kSplitUnits, each with
+    // an online softmax of its own, merged afterwards in chunk order (split-K): a layer has only
+    // Hkv heads (3 on the bundled model), too few items for the threads otherwise. The chunks
+    // follow the shapes only, so results do not depend on the thread count; with one chunk per
+    // head the merge multiplies by exp(0) = 1 and the result is that of one pass.
+    constexpr std::int64_t kSplitRows = 16, kSplitUnits = 16;
+    struct Item {
+      std::int64_t h, u0, u1;
+    };
+    std::vector<Item> items;
+    std::vector<std::int64_t> first_item(static_cast<std::size_t>(Hkv + 1), 0);
+    for (std::int64_t h = 0; h < Hkv; ++h) {
+      const PackedCache& c = heads[static_cast<std::size_t>(h)];
+      const std::int64_t units = c.tiles() + (c.residual_tokens() + G - 1) / G;
+      const std::int64_t per = rows <= kSplitRows ? kSplitUnits : std::max<std::int64_t>(units, 1);
+      first_item[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(items.size());
+      std::int64_t u0 = 0;
+      do {
+        items.push_back({h, u0, std::min(units, u0 + per)});
+        u0 += per;
+      } while (u0 < units);
+    }
+    first_item[static_cast<std::size_t>(Hkv)] = static_cast<std::int64_t>(items.size());
+    std::vector<OnlineSoftmax> states(items.size(), OnlineSoftmax(rows, d));
+    cpu::parallel_for(be, static_cast<std::int64_t>(items.size()), [&](std::int64_t item) {
+      const Item& it = items[static_cast<std::size_t>(item)];
+      const std::int64_t h = it.h;
       const PackedCache& c = heads[static_cast<std::size_t>(h)];
       const std::int64_t len = c.size();
       // Query rows r = m * n_q + i of query head h * g + m, rotated and pre-scaled.
@@ -210,7 +238,7 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
       detail::TileBuffer<G> buf(d);
       std::vector<float> norms(static_cast<std::size_t>(G)), s(static_cast<std::size_t>(G));
       const float* bias = args.bias ? args.bias + h * args.bias_stride : nullptr;
-      OnlineSoftmax st(rows, d);
+      OnlineSoftmax& st = states[static_cast<std::size_t>(item)];
       // One tile of n <= G tokens from token `base` on, its keys in buf and norms [n]; values y
       // [n][d] with scales [n][d / G] (scale_stride d / G) or all ones (scale_stride 0).
       auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* vy, const float* vscale,
@@ -230,32 +258,54 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
                                        st.acc.data() + r * d);
         }
       };
-      for (std::int64_t tile = 0; tile < c.tiles(); ++tile) {
-        buf.template unpack_keys<Blk>(c.key_tile(tile));
-        if (cfg.token_norm) {
-          const auto* nr = reinterpret_cast<const float*>(c.key_tile(tile) + d * static_cast<std::int64_t>(sizeof(Blk)));
-          std::copy(nr, nr + G, norms.begin());
-        } else {
-          std::fill(norms.begin(), norms.end(), 1.0f);
+      for (std::int64_t u = it.u0; u < it.u1; ++u) {
+        if (u < c.tiles()) {
+          const std::int64_t tile = u;
+          buf.template unpack_keys<Blk>(c.key_tile(tile));
+          if (cfg.token_norm) {
+            const auto* nr = reinterpret_cast<const float*>(c.key_tile(tile) + d * static_cast<std::int64_t>(sizeof(Blk)));
+            std::copy(nr, nr + G, norms.begin());
+          } else {
+            std::fill(norms.begin(), norms.end(), 1.0f);
+          }
+          buf.template unpack_values<Blk>(c.value_tile(tile));
+          fold_tile(tile * G, G, buf.vy.data(), buf.vscale.data(), d / G);
+          continue;
         }
-        buf.template unpack_values<Blk>(c.value_tile(tile));
-        fold_tile(tile * G, G, buf.vy.data(), buf.vscale.data(), d / G);
-      }
-      // Residual, in chunks of up to G tokens (values read in place, scale 1).
-      for (std::int64_t r0 = 0; r0 < c.residual_tokens(); r0 += G) {
+        // Residual piece: keys transposed into buf, values read in place (scale 1).
+        const std::int64_t r0 = (u - c.tiles()) * G;
         const std::int64_t n = std::min<std::int64_t>(G, c.residual_tokens() - r0);
         buf.load_keys(c.residual_keys() + r0 * d, n);
         std::copy(c.residual_norms() + r0, c.residual_norms() + r0 + n, norms.begin());
         fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d, buf.ones.data(), 0);
       }
+    });
+    // Merge each head's chunks in order and write its rows.
+    std::vector<float> a(static_cast<std::size_t>(d));
+    for (std::int64_t h = 0; h < Hkv; ++h) {
+      const auto i0 = static_cast<std::size_t>(first_item[static_cast<std::size_t>(h)]);
+      const auto i1 = static_cast<std::size_t>(first_item[static_cast<std::size_t>(h + 1)]);
       for (std::int64_t r = 0; r < rows; ++r) {
+        const auto ri = static_cast<std::size_t>(r);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (std::size_t k = i0; k < i1; ++k) mx = std::max(mx, states[k].max[ri]);
+        float sum = 0.0f;
+        std::fill(a.begin(), a.end(), 0.0f);
+        if (mx != -std::numeric_limits<float>::infinity())
+          for (std::size_t k = i0; k < i1; ++k) {
+            const OnlineSoftmax& st = states[k];
+            if (st.sum[ri] == 0.0f) continue;  // every token of the chunk masked
+            const float f = std::exp(st.max[ri] - mx);
+            sum += st.sum[ri] * f;
+            const float* acc = st.acc.data() + r * d;
+            for (std::int64_t e = 0; e < d; ++e) a[static_cast<std::size_t>(e)] += acc[e] * f;
+          }
         float* o = out + ((h * g + r / nq) * nq + r % nq) * d;
-        const float sum = st.sum[static_cast<std::size_t>(r)];
-        const float* a = st.acc.data() + r * d;
-        for (std::int64_t e = 0; e < d; ++e) o[e] = sum > 0.0f ? a[e] / sum : 0.0f;
+        for (std::int64_t e = 0; e < d; ++e)
+          o[e] = sum > 0.0f ? a[static_cast<std::size_t>(e)] / sum : 0.0f;
         if (cfg.rotate) hadamard_unchecked(o, d);
       }
-    });
+    }
   });
 }
 
