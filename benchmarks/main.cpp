@@ -268,6 +268,9 @@ void report_quant(const std::int64_t ts[2]) {
 }
 
 }  // namespace
+// Observed attention at prefill cost and decode attention (bench_prefill_attention.cpp).
+void register_prefill_attention();
+void report_prefill_attention();
 }  // namespace kvbench
 
 int main(int argc, char** argv) {
@@ -287,6 +290,7 @@ int main(int argc, char** argv) {
   kvbench::register_alloc();
   kvbench::register_merge();
   kvbench::register_quant();
+  kvbench::register_prefill_attention();
   benchmark::RunSpecifiedBenchmarks();
 
   const char* dts[2] = {"fp16", "fp32"};
@@ -301,6 +305,7 @@ int main(int argc, char** argv) {
   kvbench::report_merge(ts);
   kvbench::report_expected();
   kvbench::report_quant(ts);
+  kvbench::report_prefill_attention();
   std::fflush(stdout);
   benchmark::Shutdown();
   return 0;
