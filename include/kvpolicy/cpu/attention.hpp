@@ -52,6 +52,10 @@ inline constexpr std::int64_t kRowBlock = 128;
 // even shares without the per-item column sums growing with the number of blocks.
 inline constexpr std::int64_t kTargetItems = 48;
 inline constexpr std::int64_t kMaxChunks = 16;
+// Keys per GEMM call: an fp16/bf16 (or strided) cache is converted to fp32 one tile at a time,
+// so the tile is still in L2 when the GEMM reads it (a whole head converted at once, 16 MiB at
+// T = 32K and d = 128, went through DRAM: snapkv_score_vs_gemm fp16 fell to 0.52-0.57).
+inline constexpr std::int64_t kKeyTile = 512;
 // Split-K (flash-decoding): with at most kSplitRows stacked rows per KV head (decode: g * n_q)
 // a head's keys are cut into chunks of kKeyChunk, one item each, merged in chunk order. Without
 // it a decode step has Hkv items (3 on the bundled model: one of 2 threads idles a third).
@@ -187,9 +191,6 @@ void fused_blocks(const cpu_backend& be, const KVView<const T>& keys,
       return;
     }
     Buffer kbuf, vbuf, qbuf(g * bq * d), strip(g * bq * kmax), inv_sum(g * bq);
-    const RowMap K = rows_into(keys, l, h, 0, kmax, kbuf);
-    const RowMap V = values ? rows_into(*values, l, h, 0, kmax, vbuf)
-                           : RowMap(nullptr, 0, d, Eigen::OuterStride<>(d));
     const float* bias = a.bias ? a.bias + lh * a.bias_stride : nullptr;
     RowMatrix o;
     for (std::int64_t b = b0; b < b1; ++b) {
@@ -204,7 +205,10 @@ void fused_blocks(const cpu_backend& be, const KVView<const T>& keys,
         load_queries(queries, l, h * g + m, q0, n, scale, qbuf.data() + m * n * d);
       Eigen::Map<const RowMatrix> qs(qbuf.data(), rows, d);
       Eigen::Map<RowMatrix> s(strip.data(), rows, klim);
-      s.noalias() = qs * K.topRows(klim).transpose();
+      for (std::int64_t j0 = 0; j0 < klim; j0 += kKeyTile) {
+        const std::int64_t nb = std::min(kKeyTile, klim - j0);
+        s.middleCols(j0, nb).noalias() = qs * rows_into(keys, l, h, j0, nb, kbuf).transpose();
+      }
       // Row after row, each row's exps taken and (H2O) added, normalised, to its head's column
       // sums while in L1: the sums take rows in a fixed order, whatever the SIMD width. The
       // output rows are divided by their sums after the P V product.
@@ -223,7 +227,15 @@ void fused_blocks(const cpu_backend& be, const KVView<const T>& keys,
               inv * Eigen::Map<const Eigen::ArrayXf>(row, vis);
       }
       if (!a.out) continue;
-      o.noalias() = s * V.topRows(klim);  // masked entries are exact zeros
+      // P V tile by tile, tiles in order; masked entries are exact zeros.
+      for (std::int64_t j0 = 0; j0 < klim; j0 += kKeyTile) {
+        const std::int64_t nb = std::min(kKeyTile, klim - j0);
+        const RowMap vt = rows_into(*values, l, h, j0, nb, vbuf);
+        if (j0 == 0)
+          o.noalias() = s.middleCols(0, nb) * vt;
+        else
+          o.noalias() += s.middleCols(j0, nb) * vt;
+      }
       for (std::int64_t r = 0; r < rows; ++r) {
         float* dst = out_row(r / n, q0 + r % n);
         for (std::int64_t x = 0; x < d; ++x) dst[x] = o(r, x) * inv_sum[r];
