@@ -130,6 +130,10 @@ inline std::map<std::string, Result>& results() {
   return r;
 }
 
+// For the reports, after every run (--repeats): the result of `key` from the run whose ratio is
+// the median one, or nullptr (benchmarks/main.cpp).
+const Result* median_result(const std::string& key);
+
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

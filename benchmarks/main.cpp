@@ -391,6 +391,12 @@ int take_repeats(int& argc, char** argv) {
 }
 
 }  // namespace
+
+const Result* median_result(const std::string& key) { return find(key); }
+
+// Observed attention at prefill cost and decode attention (bench_prefill_attention.cpp).
+void register_prefill_attention();
+void report_prefill_attention();
 }  // namespace kvbench
 
 int main(int argc, char** argv) {
@@ -411,6 +417,7 @@ int main(int argc, char** argv) {
   kvbench::register_alloc();
   kvbench::register_merge();
   kvbench::register_quant();
+  kvbench::register_prefill_attention();
   for (int r = 0; r < repeats; ++r) {  // each run fills results(); kept per run for the report
     if (repeats > 1) std::printf("\n# run %d of %d\n", r + 1, repeats), std::fflush(stdout);
     // A reporter of our own per run: Google Benchmark 1.7's default one does not survive a
@@ -434,6 +441,7 @@ int main(int argc, char** argv) {
   kvbench::report_merge(ts);
   kvbench::report_expected();
   kvbench::report_quant(ts);
+  kvbench::report_prefill_attention();
   kvbench::report_targets();
   std::fflush(stdout);
   benchmark::Shutdown();

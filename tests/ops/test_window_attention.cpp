@@ -59,7 +59,8 @@ TEMPLATE_TEST_CASE("window_attention matches the naive reference (GQA, reduction
 }
 
 TEST_CASE("window_attention: n_q == T over several query blocks of 64", "[ops]") {
-  // bq_max is 64 here, so a 150-query prefill takes blocks of 64, 64 and 22.
+  // Row blocks stack 128 / g queries of each query head (42 at g = 3: blocks of 42, 42, 42 and
+  // 24, in up to 16 chunks of work per KV head), so a 150-query prefill spans several blocks.
   const double err = run_case<float>({1, 2, 3, 150, 150, 32}, GqaReduce::mean,
                                      kvpolicy::Layout::HND, 5);
   CHECK(err < 2e-6);
@@ -69,8 +70,9 @@ TEST_CASE("window_attention: n_q == T over several query blocks of 64", "[ops]")
 }
 
 TEST_CASE("window_attention: long T shrinks the strip into many small query blocks", "[ops]") {
-  // g*T = 160000 > kStripFloats/64, so each block has only kStripFloats/(g*T) = 26 queries and
-  // the 40 window queries take two blocks (26, 14), the second with a longer causal horizon.
+  // g*T = 160000 > kStripFloats/64, so a block has at most kStripFloats/(g*T) = 26 queries (and
+  // 128 / g = 16 rows per head): the 40 window queries take several blocks, each later one with
+  // a longer causal horizon.
   const Shape s{1, 1, 8, 20000, 40, 4};
   const std::int64_t bq = kvpolicy::cpu::kStripFloats / (s.g * s.T);
   REQUIRE(bq > 1);
