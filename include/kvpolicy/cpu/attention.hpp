@@ -310,8 +310,10 @@ void fused_split(const cpu_backend& be, const KVView<const T>& keys,
       e = reserve(local, R * nb);
     }
     Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> s(e, R, nb, Eigen::OuterStride<>(stride));
-    s.noalias() = Eigen::Map<const RowMatrix>(qbuf.data(), R, d) *
-                  rows_into(keys, l, h, j0, nb, kbuf).transpose();
+    // Coefficient-based products: with at most kSplitRows rows a GEMM's packing of the chunk's
+    // keys and values (a copy of every byte) costs more than the products themselves.
+    s.noalias() = Eigen::Map<const RowMatrix>(qbuf.data(), R, d)
+                      .lazyProduct(rows_into(keys, l, h, j0, nb, kbuf).transpose());
     const float* bias = a.bias ? a.bias + lh * a.bias_stride + j0 : nullptr;
     for (std::int64_t r = 0; r < R; ++r) {
       const std::int64_t n = std::clamp<std::int64_t>(visible(len, r % nq) - j0, 0, nb);
@@ -327,7 +329,7 @@ void fused_split(const cpu_backend& be, const KVView<const T>& keys,
       }
       std::fill(row + n, row + nb, 0.0f);
     }
-    o.noalias() = s * rows_into(*values, l, h, j0, nb, vbuf);
+    o.noalias() = s.lazyProduct(rows_into(*values, l, h, j0, nb, vbuf));
   });
 
   // The merge, per head (rows and chunks in a fixed order); plain loops, so that every element
