@@ -53,6 +53,9 @@ struct AllocContext {
   std::int64_t queries = 0;      // queries the event holds
   float* state = nullptr;        // see EventInfo::alloc_state
   std::int64_t state_stride = 0;
+  // The event's CPU threads, for allocators that split their work over rows (adakv); null: the
+  // calling thread only. The budgets must not depend on it.
+  const cpu_backend* backend = nullptr;
 
   std::int64_t layers() const { return scores ? scores->layers() : 0; }
   std::int64_t heads() const { return scores ? scores->heads() : 0; }

@@ -93,6 +93,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   ctx.queries = in.queries.data ? in.queries.tokens : 0;
   ctx.state = ev.alloc_state;
   ctx.state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : Tk;
+  ctx.backend = &be;
   allocate(ctx, std::span<std::int64_t>(budgets));
   Selection sel;
   cpu::select(be, scores, budgets, protect, sel);

@@ -143,6 +143,44 @@ TEST_CASE("adakv: long rows (the histogram's edge bucket, ties across heads) mat
   }
 }
 
+TEST_CASE("adakv: the radix select matches the naive reference on narrow ranges and special "
+          "values, with any thread count", "[allocators][adakv]") {
+  // adakv selects the pool's best entries 12 bits of the score at a time (two histogram levels,
+  // then the entries sharing the 24-bit edge prefix): scores that differ only in their low
+  // mantissa bits put the whole pool in one level-1 (and level-2) bucket; -0 / +0, the smallest
+  // subnormals and huge values sit at the ends of the order. The per-head passes run on the
+  // context's backend: the budgets may not depend on its thread count (null: no backend).
+  kvtest::Rng rng(41);
+  for (int it = 0; it < 12; ++it) {
+    const std::int64_t L = 2, H = rng.integer(1, 7), T = rng.integer(700, 2500);
+    const Protect p{rng.integer(0, 3), rng.integer(0, 40)};
+    const double alpha = rng.integer(0, 4) * 0.1;  // > 0: some heads' safeguards exceed P
+    ScoreMap s = alloc_test::random_scores(rng, L, H, T, it % 4 == 3 ? 7 : 0);
+    const float specials[] = {0.0f, -0.0f, 1e-45f, -1e-45f, 3e38f, -3e38f, 1.17549435e-38f};
+    for (std::int64_t i = 0; i < L * H * T; ++i) {
+      float& x = s.data()[i];
+      if (it % 4 == 0) x = 1.5f + std::ldexp(x, -16);             // 7 low mantissa bits differ
+      if (it % 4 == 1) x = std::nextafter(1.0f, 2.0f) * (x < 0.5f ? 1.0f : 1.0f + 0x1p-22f);  // 2 values
+      if (it % 4 == 2 && rng.integer(0, 9) == 0) x = specials[rng.integer(0, 6)];
+    }
+    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
+    for (auto& x : b) x = rng.integer(p.total(T), T - 1);
+    INFO("it=" << it << " H=" << H << " T=" << T << " alpha=" << alpha);
+    const std::vector<std::int64_t> want = naive_adakv(s, b, p, alpha);
+    AdaKV a;
+    a.alpha = alpha;
+    for (int threads : {0, 1, 2, 3}) {
+      const cpu_backend be{threads};
+      AllocContext ctx = context(s, p);
+      if (threads > 0) ctx.backend = &be;
+      std::vector<std::int64_t> got = b;
+      a.allocate(ctx, got);
+      INFO("threads=" << threads);
+      REQUIRE(got == want);
+    }
+  }
+}
+
 TEST_CASE("adakv: kept sets through a Policy are physically ragged", "[allocators][adakv]") {
   kvtest::Rng rng(8);
   const std::int64_t L = 2, H = 4, T = 96, B = 30;
