@@ -61,6 +61,8 @@ inline constexpr std::int64_t kKeyTile = 512;
 // it a decode step has Hkv items (3 on the bundled model: one of 2 threads idles a third).
 inline constexpr std::int64_t kSplitRows = 16;
 inline constexpr std::int64_t kKeyChunk = 1024;
+// Below this many multiply-adds the split-K merge runs on the calling thread (see fused_split).
+inline constexpr double kSerialMergeWork = 1 << 18;
 
 struct FusedArgs {
   std::int64_t g = 1;
@@ -334,7 +336,7 @@ void fused_split(const cpu_backend& be, const KVView<const T>& keys,
 
   // The merge, per head (rows and chunks in a fixed order); plain loops, so that every element
   // takes the same instructions wherever the buffers are.
-  parallel_for(be, LH, [&](std::int64_t lh) {
+  auto merge = [&](std::int64_t lh) {
     const std::int64_t l = lh / Hkv, h = lh % Hkv, len = a.lengths[lh];
     const std::int64_t i0 = item_at[static_cast<std::size_t>(lh)];
     const std::int64_t nc = item_at[static_cast<std::size_t>(lh + 1)] - i0;
@@ -378,7 +380,21 @@ void fused_split(const cpu_backend& be, const KVView<const T>& keys,
         }
       }
     }
-  });
+  };
+  // A decode step's merge is a few thousand operations, less than waking the other threads for a
+  // second parallel region costs (a decode step runs this once per layer); large merges (window
+  // attention over many layers with column sums) stay parallel. Each head is merged the same way
+  // on either path.
+  double merge_work = 0;
+  for (std::int64_t lh = 0; lh < LH; ++lh)
+    merge_work += static_cast<double>(R) *
+                  static_cast<double>((item_at[static_cast<std::size_t>(lh + 1)] -
+                                       item_at[static_cast<std::size_t>(lh)]) * d +
+                                      (a.colsum ? a.lengths[lh] : 0));
+  if (merge_work < kSerialMergeWork)
+    for (std::int64_t lh = 0; lh < LH; ++lh) merge(lh);
+  else
+    parallel_for(be, LH, merge);
 }
 
 // keys/values: L layers; queries [L][g * Hkv][n_q][d]; lengths [L * Hkv] (each <= keys.tokens).
