@@ -381,7 +381,15 @@ int take_repeats(int& argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--repeats=", 0) == 0) {
-      repeats = std::max(1, std::atoi(a.c_str() + 10));
+      char* end = nullptr;
+      const long v = std::strtol(a.c_str() + 10, &end, 10);
+      if (end == a.c_str() + 10 || *end != '\0' || v < 1 || v > 100) {
+        std::fprintf(stderr,
+                     "kvpolicy_bench: --repeats takes a whole number from 1 to 100 (got '%s')\n",
+                     a.c_str() + 10);
+        std::exit(2);
+      }
+      repeats = static_cast<int>(v);
       continue;
     }
     argv[out++] = argv[i];

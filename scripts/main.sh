@@ -43,7 +43,7 @@ if ! cmake --build "$BUILD_DIR" --target kvpolicy_accuracy kvpolicy_bench -j "$J
   exit 1
 fi
 
-# OpenMP workers spin for a short while (GOMP_SPINCOUNT iterations, tens of microseconds)
+# OpenMP workers spin for a short while (GOMP_SPINCOUNT iterations, about 0.1 ms)
 # before they sleep. A decode step opens about 150 short parallel regions (4 projections and the
 # attention per layer); with OMP_WAIT_POLICY=passive every one of them waits for a sleeping worker
 # to be woken, and 2-thread decode was no faster than 1 thread (measured: 17.3 ms per step with

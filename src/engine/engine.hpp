@@ -71,7 +71,8 @@ class Engine {
   // evict back to their budget here.
   std::span<const float> step(std::int32_t token);
   // One step for several sequences at once: engines[i] appends tokens[i]. The projections run
-  // as one GEMM over the stacked rows (weights are read once for the whole batch); attention
+  // over the stacked rows at once (weights are read once for the whole batch: dot kernels on the
+  // GGUF blocks for up to 4 rows, a GEMM beyond); attention
   // and compression stay per sequence, each over its own session and length. All engines must
   // share one Model and be distinct; afterwards each one's last_logits() predicts its next token.
   static void step_batch(std::span<Engine* const> engines, std::span<const std::int32_t> tokens);

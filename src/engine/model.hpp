@@ -54,8 +54,9 @@ class Model {
  public:
   // Loads a Llama-family GGUF; a missing file raises an Error that says how to fetch the default.
   // `f32_weights`: dequantize every matrix to fp32 at load (what the engine held before it kept
-  // the GGUF types; the throughput benchmark runs both side by side). Prefill results are the
-  // same either way; decode products differ in rounding only (engine/weights.hpp).
+  // the GGUF types; the throughput benchmark runs both side by side). Products over more than 4
+  // activation rows (prefill chunks) are bitwise the same either way; products of 1-4 rows
+  // (decode) differ in rounding only (engine/weights.hpp).
   static std::unique_ptr<Model> load(const std::string& path, bool f32_weights = false);
   static std::unique_ptr<Model> load(const GgufFile& file, bool f32_weights = false);
   // Hyper-parameters only (no weights); validates them. Used by load and by the fuzzer.

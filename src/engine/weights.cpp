@@ -7,6 +7,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define KVP_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -56,7 +57,7 @@ WeightMatrix WeightMatrix::permute_rows(std::span<const std::int64_t> src) const
 
 namespace {
 
-std::uint16_t load16(const std::uint8_t* p) {
+[[maybe_unused]] std::uint16_t load16(const std::uint8_t* p) {  // used by the x86 kernels
   std::uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
@@ -304,6 +305,16 @@ MatvecFn pick(DotKernel k, std::uint32_t type) {
 
 }  // namespace
 
+#if defined(KVP_X86)
+namespace {
+// CPUID leaf 1, ECX bit 29 (clang's __builtin_cpu_supports does not know "f16c").
+bool has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+}  // namespace
+#endif
+
 bool dot_kernel_supported(DotKernel k) {
   switch (k) {
     case DotKernel::best:
@@ -311,8 +322,7 @@ bool dot_kernel_supported(DotKernel k) {
       return true;
 #if defined(KVP_X86)
     case DotKernel::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     case DotKernel::avx512:
       return dot_kernel_supported(DotKernel::avx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw");

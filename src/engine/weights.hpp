@@ -7,14 +7,17 @@
 //   - Q4_1 and Q8_0 have SIMD dot kernels (AVX-512 and AVX2+FMA+F16C, chosen at run time from
 //     what the CPU supports, plus a portable scalar one). Activations stay fp32: a block's 32
 //     weights are decoded into registers (w = d*q + m, or d*q) and multiplied with fp32 x, so the
-//     only difference from an fp32 product with the dequantized weights is the order of the
-//     additions (no activation quantization, unlike llama.cpp's Q8 dot products). Tests bound it:
+//     differences from an fp32 product with the dequantized weights are the order of the additions
+//     and, for Q4_1, d*q + m taken as one fused multiply-add (no activation quantization, unlike
+//     llama.cpp's Q8 dot products). Tests bound them:
 //     |y - y_ref| <= 1e-5 * sum_j |w_j x_j| (+1e-30), tests/engine/test_weights.cpp.
 //   - F32 rows are read as they are; every other dequantizable type (F16, BF16, Q4_0, Q5_x,
-//     K-quants) is kept packed and each row is dequantized into a stack buffer before its dot.
-// Products over many activation rows (prefill chunks) dequantize blocks of weight rows into a
-// scratch matrix and run Eigen's GEMM on it: the fp32 weights are the exact values
-// engine::dequantize() gives, so prefill is bitwise what it was with fp32 weights held in memory.
+//     K-quants) is kept packed and each row is dequantized into a buffer before its dot.
+// Products over more than kMatvecMaxRows activation rows (prefill chunks) dequantize blocks of
+// weight rows into a scratch matrix and run Eigen's GEMM on it: the fp32 weights are the exact
+// values engine::dequantize() gives, so those products are bitwise what they were with fp32
+// weights held in memory. Products of 1 to kMatvecMaxRows rows (decode steps, step_batch of up to
+// 4 sequences, a prompt's last-position logits, chunks of 1-4 tokens) use the dot kernels.
 //
 // Determinism: each output element is one weight row's dot product computed by one thread in a
 // fixed order, so results are the same for any thread count; they differ between kernels (the

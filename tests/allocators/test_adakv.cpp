@@ -121,7 +121,7 @@ TEST_CASE("adakv: random layers match the naive reference exactly", "[allocators
 
 TEST_CASE("adakv: long rows (the histogram's edge bucket, ties across heads) match the naive "
           "reference", "[allocators][adakv]") {
-  // adakv finds the pool's best entries with a histogram of the keys' top 16 bits: scores in
+  // adakv finds the pool's best entries by histograms of the keys' top bits (12 at a time): scores in
   // [1, 2) share sign and exponent, so thousands of entries land in each bucket and the edge
   // bucket is partly sorted; a few score levels make equal keys in several heads (same token,
   // same score), which the head order breaks; negative and zero scores, other buckets.

@@ -215,7 +215,10 @@ TEST_CASE("weights: the model in its GGUF types against the model dequantized at
   }
   INFO("max |decode logit difference| " << worst);
   CHECK(worst < 2e-4f);
-  CHECK(worst > 0.f);  // two different computations, not one path run twice
+  // Two different computations, not one path run twice: with AVX-512 the Q4_1 and Q8_0 kernels
+  // sum in another order than the F32 one. (The scalar kernel sums the dequantized rows of both
+  // models in one order, so there the logits may be bitwise equal.)
+  if (eng::best_dot_kernel() == eng::DotKernel::avx512) CHECK(worst > 0.f);
 }
 
 }  // namespace kvt_engine_weights

@@ -188,4 +188,28 @@ TEST_CASE("ops::window_attention and Session's H2O accumulation are one mechanis
   CHECK(kvtest::max_rel_err(acc, ref) < 2e-6);
 }
 
+TEST_CASE("attention with no queries adds nothing to the H2O statistics", "[ops]") {
+  // An empty query block (n_q = 0) is valid: no output rows, and the accumulators the caller
+  // passes keep their values exactly.
+  const std::int64_t Hkv = 2, g = 2, T = 40, d = 16;
+  kvtest::Rng rng(3);
+  const auto k = rng.normals(Hkv * T * d), v = rng.normals(Hkv * T * d);
+  std::vector<float> q(1);
+  const std::vector<std::int64_t> len = {T, 17};
+  std::vector<float> acc(static_cast<std::size_t>(Hkv * T), 0.25f), obs(acc.size(), 3.0f);
+  cpu::RaggedAttentionArgs a;
+  a.lengths = len.data();
+  a.causal = true;
+  a.accumulate = acc.data();
+  a.observed = obs.data();
+  a.state_stride = T;
+  float out = 7.0f;
+  cpu::attention(kvpolicy::cpu_backend{2}, kvpolicy::KVView<const float>::hnd(k.data(), 1, Hkv, T, d),
+                 kvpolicy::KVView<const float>::hnd(v.data(), 1, Hkv, T, d),
+                 kvpolicy::KVView<const float>::hnd(q.data(), 1, Hkv * g, 0, d), a, &out);
+  CHECK(acc == std::vector<float>(acc.size(), 0.25f));
+  CHECK(obs == std::vector<float>(obs.size(), 3.0f));
+  CHECK(out == 7.0f);
+}
+
 }  // namespace kvt_ops_attention_blocks

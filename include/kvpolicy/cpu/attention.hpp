@@ -429,6 +429,7 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
   for (std::int64_t h = 0; h < Hkv; ++h)
     KVP_REQUIRE(args.lengths[h] >= 0 && args.lengths[h] <= keys.tokens, "attention: length ",
                 args.lengths[h], " of KV head ", h, " is outside [0, ", keys.tokens, "]");
+  if (nq == 0) return;  // no query: no output, and nothing to add to the H2O statistics
   const std::int64_t g = Hq / Hkv;
   std::int64_t max_len = 0;
   for (std::int64_t h = 0; h < Hkv; ++h) max_len = std::max(max_len, args.lengths[h]);

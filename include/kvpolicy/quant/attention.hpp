@@ -280,9 +280,10 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
         fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d, buf.ones.data(), 0);
       }
     });
-    // Merge each head's chunks in order and write its rows.
-    std::vector<float> a(static_cast<std::size_t>(d));
-    for (std::int64_t h = 0; h < Hkv; ++h) {
+    // Merge each head's chunks in order and write its rows (with the output rotation): on the
+    // calling thread at decode, where it is a few thousand operations, else one task per head.
+    auto merge = [&](std::int64_t h) {
+      std::vector<float> a(static_cast<std::size_t>(d));
       const auto i0 = static_cast<std::size_t>(first_item[static_cast<std::size_t>(h)]);
       const auto i1 = static_cast<std::size_t>(first_item[static_cast<std::size_t>(h + 1)]);
       for (std::int64_t r = 0; r < rows; ++r) {
@@ -305,7 +306,11 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
           o[e] = sum > 0.0f ? a[static_cast<std::size_t>(e)] / sum : 0.0f;
         if (cfg.rotate) hadamard_unchecked(o, d);
       }
-    }
+    };
+    if (rows <= kSplitRows)
+      for (std::int64_t h = 0; h < Hkv; ++h) merge(h);
+    else
+      cpu::parallel_for(be, Hkv, merge);
   });
 }
 
