@@ -150,6 +150,8 @@ TEST_CASE("adakv: the radix select matches the naive reference on narrow ranges 
   // mantissa bits put the whole pool in one level-1 (and level-2) bucket; -0 / +0, the smallest
   // subnormals and huge values sit at the ends of the order. The per-head passes run on the
   // context's backend: the budgets may not depend on its thread count (null: no backend).
+  // The calls run one after another on this thread with H going up and down, so the
+  // allocator's per-thread buffers are reused at other sizes (a stale head row must not count).
   kvtest::Rng rng(41);
   for (int it = 0; it < 12; ++it) {
     const std::int64_t L = 2, H = rng.integer(1, 7), T = rng.integer(700, 2500);

@@ -92,11 +92,25 @@ struct AdaKV {
     // then a classifying pass, both scalar), 0.55 ms on one thread, 0.39 ms on two.
     constexpr int kDigit = 12;
     constexpr std::size_t kBuckets = std::size_t{1} << kDigit;
-    std::vector<std::uint32_t> hist(static_cast<std::size_t>(H) * kBuckets);
-    std::vector<std::uint64_t> row, limit(static_cast<std::size_t>(H));
+    // The buffers persist per calling thread (capacity only; every call overwrites what it
+    // reads): the histograms alone are 128 KiB for 8 heads, which glibc maps and unmaps anew on
+    // every call (page faults: ~10% of an event's allocation at T = 32768). Each call starts by
+    // resizing or clearing what it uses, so nothing carries over between calls.
+    struct Scratch {
+      std::vector<std::uint32_t> hist;
+      std::vector<std::uint64_t> row;
+      std::vector<std::vector<Cand>> edge_rows;
+      std::vector<Cand> edge;
+    };
+    static thread_local Scratch scratch;
+    std::vector<std::uint32_t>& hist = scratch.hist;
+    hist.resize(static_cast<std::size_t>(H) * kBuckets);
+    std::vector<std::uint64_t>& row = scratch.row;
+    std::vector<std::vector<Cand>>& edge_rows = scratch.edge_rows;
+    if (edge_rows.size() < static_cast<std::size_t>(H)) edge_rows.resize(static_cast<std::size_t>(H));
+    std::vector<Cand>& edge = scratch.edge;
+    std::vector<std::uint64_t> limit(static_cast<std::size_t>(H));
     std::vector<std::int64_t> in_pool(static_cast<std::size_t>(H)), extra(static_cast<std::size_t>(H));
-    std::vector<std::vector<Cand>> edge_rows(static_cast<std::size_t>(H));
-    std::vector<Cand> edge;
     const auto for_heads = [&](auto&& f) {  // f(h) for every head, on the backend's threads
       if (ctx.backend && H > 1) cpu::parallel_for(*ctx.backend, H, f);
       else for (std::int64_t h = 0; h < H; ++h) f(h);
@@ -198,8 +212,8 @@ struct AdaKV {
       const std::uint32_t prefix = (e1 << kDigit) | take_above_edge();
       // The entries whose top 24 bits are the edge prefix (in head order): the `need` largest.
       edge.clear();
-      for (const auto& er : edge_rows)
-        for (const Cand& c : er)
+      for (std::int64_t h = 0; h < H; ++h)  // (edge_rows may be longer: a previous call's H)
+        for (const Cand& c : edge_rows[static_cast<std::size_t>(h)])
           if ((c.key >> (64 - 2 * kDigit)) == prefix) edge.push_back(c);
       const auto m = static_cast<std::size_t>(need);  // 0 < m <= edge.size()
       std::nth_element(edge.begin(), edge.begin() + static_cast<std::ptrdiff_t>(m - 1), edge.end(),
