@@ -142,13 +142,16 @@ void report_prefill_attention() {
       const Result* a = find(key_of("prefill_colsum_added", s, t));
       if (!a) continue;
       const Result* o = find(key_of("prefill_colsum_ops", s, t));
-      const double added = 1.0 / a->ratio - 1.0, cpu_added = 1.0 / a->cpu_ratio - 1.0;
-      std::printf("| %s (Hq=%lld, Hkv=%lld, d=%lld) | %lld | %.1f | %.1f | %.1f | %+.1f%% | "
+      const double cpu_added = 1.0 / a->cpu_ratio - 1.0;
+      const Judged j = judge_added_cost(
+          std::string("column sums added to prefill attention, ") + s.name + " T=" + std::to_string(t),
+          key_of("prefill_colsum_added", s, t), kAddedTarget);
+      std::printf("| %s (Hq=%lld, Hkv=%lld, d=%lld) | %lld | %.1f | %.1f | %.1f | %s | "
                   "%+.1f%% | %.0f%% | %s |",
                   s.name, static_cast<long long>(s.hq), static_cast<long long>(s.hkv),
                   static_cast<long long>(s.d), static_cast<long long>(t), a->ref_s * 1e3,
-                  a->work / a->ref_s * 1e-9, a->subject_s * 1e3, added * 100, cpu_added * 100,
-                  kAddedTarget * 100, added <= kAddedTarget ? "yes" : "**no**");
+                  a->work / a->ref_s * 1e-9, a->subject_s * 1e3, j.cell.c_str(), cpu_added * 100,
+                  kAddedTarget * 100, j.met ? "yes" : "**no**");
       if (o)
         std::printf(" %.1f | %.2f |\n", o->subject_s * 1e3, 1.0 / o->ratio);
       else

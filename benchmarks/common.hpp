@@ -134,6 +134,15 @@ inline std::map<std::string, Result>& results() {
 // the median one, or nullptr (benchmarks/main.cpp).
 const Result* median_result(const std::string& key);
 
+// For the reports: judges an added cost c = 1 / ratio - 1 of `key` (a subject that does more than
+// its reference) against c <= limit in every run, adds it to the targets summary as `what`, and
+// returns the cell shown ("+3.6% (+3.1%..+4.0%)") and whether it was met.
+struct Judged {
+  std::string cell;
+  bool met = false;
+};
+Judged judge_added_cost(const std::string& what, const std::string& key, double limit);
+
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

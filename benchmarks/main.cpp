@@ -1,6 +1,7 @@
 // kvpolicy_bench: per-layer timings of the CPU paths at the shape, then a markdown report
 // of the ratio targets (compaction vs memcpy >= 0.7, SnapKV scoring vs Eigen GEMM >= 0.6,
-// allocator overhead < 10%, quantized encode vs memcpy >= 0.5, INT2 decode attention >= 3x fp32)
+// allocator overhead < 10%, quantized encode vs memcpy >= 0.5, INT2 decode attention >= 3x fp32,
+// H2O column sums added to the prefill attention <= 20%)
 // and of the merge cost as a fraction of SnapKV's scoring.
 // Every ratio is measured side by side, alternating inside one benchmark, because the machine
 // is shared; `--benchmark_filter` selects benchmarks as usual and the report covers what ran.
@@ -401,6 +402,18 @@ int take_repeats(int& argc, char** argv) {
 }  // namespace
 
 const Result* median_result(const std::string& key) { return find(key); }
+
+Judged judge_added_cost(const std::string& what, const std::string& key, double limit) {
+  const Spread sp = spread(key);
+  const auto added = [](double ratio) { return 100.0 * (1.0 / ratio - 1.0); };
+  // The largest added cost is that of the smallest ratio.
+  const bool met = sp.n > 0 && sp.lo > 0 && added(sp.lo) <= 100.0 * limit;
+  char t[32];
+  std::snprintf(t, sizeof t, "<= %g%%", 100.0 * limit);
+  const std::string c = cell(sp, added, "%+.1f%%");
+  targets().push_back({what, c, t, met, sp.n});
+  return {c, met};
+}
 
 // Observed attention at prefill cost and decode attention (bench_prefill_attention.cpp).
 void register_prefill_attention();
