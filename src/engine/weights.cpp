@@ -111,56 +111,41 @@ KVP_TARGET_AVX2 inline float hsum256(__m256 v) {
 
 // Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j = d * q_j + m with q_j the
 // low nibble of byte j (j < 16) or the high nibble of byte j - 16.
-template <int NX>
-KVP_TARGET_AVX2 void matvec_q4_1_avx2(const WeightMatrix& w, const float* x, std::int64_t xs,
-                                      std::int64_t r0, std::int64_t n, float* y, std::int64_t ys) {
-  const std::int64_t blocks = w.cols() / 32;
+KVP_TARGET_AVX2 inline void q4_1_block256(const std::uint8_t* blk, __m256 (&wv)[4]) {
   const __m128i m4 = _mm_set1_epi8(0x0F);
-  for (std::int64_t r = r0; r < r0 + n; ++r) {
-    const std::uint8_t* blk = w.row(r);
-    __m256 acc[NX][4];
-    for (int i = 0; i < NX; ++i)
-      for (int k = 0; k < 4; ++k) acc[i][k] = _mm256_setzero_ps();
-    for (std::int64_t b = 0; b < blocks; ++b, blk += 20) {
-      const __m256 vd = _mm256_set1_ps(half_f16c(blk)), vm = _mm256_set1_ps(half_f16c(blk + 2));
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m128i lo = _mm_and_si128(raw, m4);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-      __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
-      for (int k = 0; k < 4; ++k) wv[k] = _mm256_fmadd_ps(wv[k], vd, vm);
-      for (int i = 0; i < NX; ++i) {
-        const float* xb = x + i * xs + b * 32;
-        for (int k = 0; k < 4; ++k)
-          acc[i][k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[i][k]);
-      }
-    }
-    for (int i = 0; i < NX; ++i)
-      y[i * ys + (r - r0)] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
-                                                   _mm256_add_ps(acc[i][2], acc[i][3])));
-  }
+  const __m256 vd = _mm256_set1_ps(half_f16c(blk)), vm = _mm256_set1_ps(half_f16c(blk + 2));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m128i lo = _mm_and_si128(raw, m4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+  const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int k = 0; k < 4; ++k)
+    wv[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[k])), vd, vm);
 }
 
 // Q8_0 block (34 bytes): fp16 d, 32 int8 q; weight j = d * q_j.
-template <int NX>
-KVP_TARGET_AVX2 void matvec_q8_0_avx2(const WeightMatrix& w, const float* x, std::int64_t xs,
-                                      std::int64_t r0, std::int64_t n, float* y, std::int64_t ys) {
+KVP_TARGET_AVX2 inline void q8_0_block256(const std::uint8_t* blk, __m256 (&wv)[4]) {
+  const __m256 vd = _mm256_set1_ps(half_f16c(blk));
+  for (int k = 0; k < 4; ++k)
+    wv[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * k)))),
+                          vd);
+}
+
+// Blocks of `Bytes` bytes decoded by `decode` into four vectors of 8, one accumulator per vector
+// and activation row.
+template <int NX, int Bytes, void (*decode)(const std::uint8_t*, __m256 (&)[4])>
+KVP_TARGET_AVX2 void matvec_blocks_avx2(const WeightMatrix& w, const float* x, std::int64_t xs,
+                                        std::int64_t r0, std::int64_t n, float* y,
+                                        std::int64_t ys) {
   const std::int64_t blocks = w.cols() / 32;
   for (std::int64_t r = r0; r < r0 + n; ++r) {
     const std::uint8_t* blk = w.row(r);
     __m256 acc[NX][4];
     for (int i = 0; i < NX; ++i)
       for (int k = 0; k < 4; ++k) acc[i][k] = _mm256_setzero_ps();
-    for (std::int64_t b = 0; b < blocks; ++b, blk += 34) {
-      const __m256 vd = _mm256_set1_ps(half_f16c(blk));
+    for (std::int64_t b = 0; b < blocks; ++b, blk += Bytes) {
       __m256 wv[4];
-      for (int k = 0; k < 4; ++k)
-        wv[k] = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * k)))),
-            vd);
+      decode(blk, wv);
       for (int i = 0; i < NX; ++i) {
         const float* xb = x + i * xs + b * 32;
         for (int k = 0; k < 4; ++k)
@@ -292,8 +277,8 @@ MatvecFn pick(DotKernel k, std::uint32_t type) {
     if (type == ggml_type::F32) return &matvec_f32_avx2<NX>;
   }
   if (k == DotKernel::avx2) {
-    if (type == ggml_type::Q4_1) return &matvec_q4_1_avx2<NX>;
-    if (type == ggml_type::Q8_0) return &matvec_q8_0_avx2<NX>;
+    if (type == ggml_type::Q4_1) return &matvec_blocks_avx2<NX, 20, &q4_1_block256>;
+    if (type == ggml_type::Q8_0) return &matvec_blocks_avx2<NX, 34, &q8_0_block256>;
     if (type == ggml_type::F32) return &matvec_f32_avx2<NX>;
   }
 #else
