@@ -16,17 +16,41 @@
 //   values (block (t, b) = channels [b G, (b + 1) G) of token t):
 //            acc_e  += (p_t * scale_tb) * y_te                   -- one product per block
 // These are the dequantized products up to fp32 rounding (q * (y * s) vs (q * s) * y).
+//
+// The kernel: a decode step is compute bound (int2 reads 8x fewer bytes than fp32, and a tile
+// costs ~32K multiply-adds and 8K unpacked values for 4 query rows), so each part is vectorized:
+// - unpack: per block a 16-entry table of (k & max_code) - zero, indexed by the code word shifted
+//   by each lane's bit offset (one shift + one permute per 16 values with AVX-512; block_offsets'
+//   bits exactly, tested);
+// - logits and values: kRowBlock (4) query rows per pass over the unpacked tile, their running
+//   sums in registers; logit t sums its channels in order from 0, output e its tokens in order
+//   (one fused multiply-add per term with AVX-512);
+// - softmax: e^x by a polynomial (exp_nonpositive, a few ulp from std::exp), the tile's terms
+//   summed in 16 lanes and then pairwise; the running sum and output are rescaled by
+//   e^(old max - new max) once per row and tile.
+// The next tile's bytes are prefetched, and each work item holds one scratch allocation.
+// Without AVX-512 (portable builds) the same kernels are plain loops, with the same order.
 #pragma once
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/cpu/parallel.hpp"
 #include "kvpolicy/quant/packed_cache.hpp"
+
+#if !defined(__CUDACC__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVP_QUANT_AVX512 1
+#else
+#define KVP_QUANT_AVX512 0
+#endif
 
 namespace kvpolicy::quant {
 
@@ -36,6 +60,270 @@ struct PackedAttentionArgs {
   bool causal = false;
 };
 
+namespace detail {
+
+// e^x for x <= 0 (a logit minus the running maximum), within a few ulp of std::exp: Cephes'
+// expf, x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 split in two so r is
+// exact), e^r = 1 + r + r^2 P(r) with a degree-5 minimax P, times 2^n written into the exponent
+// bits (n >= -126 here: a normal number). Below -87 (e^x < 1.7e-38) it returns 0 where std::exp
+// returns a denormal: a term under 2^-125 of the row's largest one, e^0 = 1, in the sum. Only
+// arithmetic and selects against constants, so the loops calling it vectorize (GCC, Clang).
+inline float exp_nonpositive(float x) {
+  const float xc = x >= -87.0f ? x : -87.0f;  // -inf and NaN too: the int conversion stays defined
+  // round(xc * log2 e) to nearest: adding 1.5 * 2^23 leaves no fraction bits (|xc| < 2^22).
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * (r * r) + r + 1.0f;
+  const auto bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23;
+  const float e = er * std::bit_cast<float>(bits);
+  return x >= -87.0f ? e : (x < -87.0f ? 0.0f : x);  // a NaN passes through, as in std::exp
+}
+
+// The tile kernels below exist twice: as plain loops (every build; tests run them against the
+// intrinsics) and, where the compiler targets AVX-512F, with intrinsics that keep the running
+// sums in registers. Both sum in the same order; the intrinsics fuse each product into its sum
+// (one rounding instead of two).
+namespace loops {
+
+// y = block_offsets(b): (code - zero) for the block's Group values.
+template <int Bits, int Group>
+inline void unpack_offsets(const Block<Bits, Group>& b, float* y) {
+  block_offsets(b, y);
+}
+
+// s[r][t] = sum_c w[r][c] * ky[c][t] for R rows and t < G, the channels summed in order from 0.
+// w: [R][d] (query times key scale), ky: [d][G], s: [R][G].
+template <int G, int R>
+inline void tile_logits(const float* w, const float* ky, std::int64_t d, float* s) {
+  for (std::int64_t i = 0; i < R * G; ++i) s[i] = 0.0f;
+  for (std::int64_t c = 0; c < d; ++c)
+    for (int r = 0; r < R; ++r) {
+      const float wr = w[r * d + c];
+      float* sr = s + r * G;
+      for (int t = 0; t < G; ++t) sr[t] += wr * ky[c * G + t];
+    }
+}
+
+// acc[r][e] += sum_{t < n} u[r][e / G][t] * y[t][e] for R rows, in token order. u: [R][d / G][G]
+// (probability times value scale), y: [n][d], acc: [R][d].
+template <int G, int R>
+inline void accumulate_values(const float* u, std::int64_t n, const float* y, std::int64_t d,
+                              float* acc) {
+  for (int r = 0; r < R; ++r)
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t b = 0; b < d / G; ++b) {
+        const float p = u[(r * (d / G) + b) * G + t];
+        float* a = acc + r * d + b * G;
+        const float* yt = y + t * d + b * G;
+        for (int j = 0; j < G; ++j) a[j] += p * yt[j];
+      }
+}
+
+// The largest of s[0..n) (-inf for n = 0). s holds whole chunks of kLanes floats.
+constexpr int kLanes = 16;
+inline float tile_max(const float* s, std::int64_t n) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float lane[kLanes];
+  for (float& l : lane) l = kNegInf;
+  for (std::int64_t t0 = 0; t0 < n; t0 += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = s[t0 + j];  // loaded unconditionally, so that the select vectorizes
+      const float x = j < n - t0 ? v : kNegInf;
+      lane[j] = lane[j] > x ? lane[j] : x;
+    }
+  for (int w = kLanes / 2; w > 0; w /= 2)  // max is exact in any order
+    for (int j = 0; j < w; ++j) lane[j] = lane[j] > lane[j + w] ? lane[j] : lane[j + w];
+  return lane[0];
+}
+
+// s[t] = e^(s[t] - mx) for t < n, 0 for the rest of the last chunk; returns their sum, taken in
+// kLanes running sums (term t in lane t % kLanes), then the lanes pairwise (lane j += lane j + w
+// for w = 8, 4, 2, 1): a fixed order that vectorizes.
+inline float tile_exp_sum(float* s, std::int64_t n, float mx) {
+  float lane[kLanes] = {};
+  for (std::int64_t t0 = 0; t0 < n; t0 += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = s[t0 + j] - mx;
+      const float x = j < n - t0 ? v : -std::numeric_limits<float>::infinity();
+      lane[j] += (s[t0 + j] = exp_nonpositive(x));
+    }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+}  // namespace loops
+
+#if KVP_QUANT_AVX512
+namespace avx512 {
+
+// block_offsets bit for bit: a table of the 16 values a 4-bit index selects, entry k =
+// (k & max_code) - zero (the same float subtraction), then per 16 values one variable shift of
+// the broadcast code word (value j at bit j * Bits) and one permute by its low 4 bits.
+// (The zero-masking forms with every lane selected are the plain instructions; GCC 12 flags the
+// undefined pass-through operand of the unmasked intrinsics with -Wuninitialized.)
+template <int Bits, int Group>
+inline void unpack_offsets(const Block<Bits, Group>& b, float* y) {
+  constexpr __mmask16 kAll = 0xFFFF;
+  const __m512 codes = Bits == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
+                                 : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_sub_ps(codes, _mm512_set1_ps(b.zero));
+  for (int k = 0; k < Group / 16; ++k) {
+    __m512i idx;
+    if constexpr (Bits == 2) {  // 16 values = one 32-bit word
+      std::uint32_t w;
+      memcpy(&w, b.qs + 4 * k, 4);
+      idx = _mm512_maskz_srlv_epi32(kAll, _mm512_set1_epi32(static_cast<int>(w)),
+                                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+    } else {  // 16 values = one 64-bit word: its low half to lanes 0-7, its high half to 8-15
+      std::uint64_t w;
+      memcpy(&w, b.qs + 8 * k, 8);
+      const __m512i halves = _mm512_maskz_permutexvar_epi32(
+          kAll, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+          _mm512_set1_epi64(static_cast<long long>(w)));
+      idx = _mm512_maskz_srlv_epi32(
+          kAll, halves, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    }
+    _mm512_storeu_ps(y + 16 * k, _mm512_maskz_permutexvar_ps(kAll, idx, table));
+  }
+}
+
+// loops::tile_logits with the 2 R sums of 32 tokens in registers, one fused product per term.
+template <int G, int R>
+inline void tile_logits(const float* w, const float* ky, std::int64_t d, float* s) {
+  for (int t0 = 0; t0 < G; t0 += 32) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (std::int64_t c = 0; c < d; ++c) {
+      const __m512 y0 = _mm512_loadu_ps(ky + c * G + t0), y1 = _mm512_loadu_ps(ky + c * G + t0 + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 wr = _mm512_set1_ps(w[r * d + c]);
+        a[r][0] = _mm512_fmadd_ps(wr, y0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(wr, y1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * G + t0, a[r][0]);
+      _mm512_storeu_ps(s + r * G + t0 + 16, a[r][1]);
+    }
+  }
+}
+
+// loops::accumulate_values with the sums of 32 channels of R rows in registers over all tokens.
+template <int G, int R>
+inline void accumulate_values(const float* u, std::int64_t n, const float* y, std::int64_t d,
+                              float* acc) {
+  for (std::int64_t e0 = 0; e0 < d; e0 += 32) {
+    const float* ub = u + (e0 / G) * G;
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + r * d + e0);
+      a[r][1] = _mm512_loadu_ps(acc + r * d + e0 + 16);
+    }
+    for (std::int64_t t = 0; t < n; ++t) {
+      const __m512 y0 = _mm512_loadu_ps(y + t * d + e0), y1 = _mm512_loadu_ps(y + t * d + e0 + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(ub[r * d + t]);  // u[r][e0 / G][t]: row stride (d / G) G = d
+        a[r][0] = _mm512_fmadd_ps(p, y0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(p, y1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * d + e0, a[r][0]);
+      _mm512_storeu_ps(acc + r * d + e0 + 16, a[r][1]);
+    }
+  }
+}
+
+// exp_nonpositive on 16 lanes, the same operations.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
+  const __m512 xc = _mm512_max_ps(x, lo);  // a NaN x gives lo (the second operand)
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(er, _mm512_castsi512_ps(bits));
+  const __m512 small = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // 0, or the NaN
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), small, e);
+}
+
+// Lanes t0 .. t0 + 15 of a row of n.
+inline __mmask16 lanes_below(std::int64_t n, std::int64_t t0) {
+  return n - t0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - t0)) - 1u);
+}
+
+// The two halves of v, lanes 0 .. 7 and 8 .. 15, through memory: GCC 12 implements the
+// 512-to-256-bit casts and extracts with an undefined operand that -Wuninitialized flags.
+struct Halves {
+  __m256 lo, hi;
+};
+inline Halves halves(__m512 v) {
+  alignas(64) float b[16];
+  _mm512_store_ps(b, v);
+  return {_mm256_load_ps(b), _mm256_load_ps(b + 8)};
+}
+
+inline float tile_max(const float* s, std::int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (std::int64_t t0 = 0; t0 < n; t0 += 16)
+    m = _mm512_mask_max_ps(m, lanes_below(n, t0), m, _mm512_loadu_ps(s + t0));
+  const Halves mh = halves(m);
+  const __m256 h = _mm256_max_ps(mh.lo, mh.hi);
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+// loops::tile_exp_sum; the lanes are summed in the same pairwise order.
+inline float tile_exp_sum(float* s, std::int64_t n, float mx) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), vmx = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (std::int64_t t0 = 0; t0 < n; t0 += 16) {
+    const __m512 x = _mm512_mask_sub_ps(ninf, lanes_below(n, t0), _mm512_loadu_ps(s + t0), vmx);
+    const __m512 e = exp_nonpositive(x);
+    _mm512_storeu_ps(s + t0, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  // lane j += lane j + w for w = 8, 4, 2, 1
+  const Halves sh = halves(sum);
+  const __m256 h = _mm256_add_ps(sh.lo, sh.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+}  // namespace avx512
+using avx512::tile_exp_sum;
+using avx512::tile_max;
+using avx512::accumulate_values;
+using avx512::tile_logits;
+using avx512::unpack_offsets;
+#else
+using loops::tile_exp_sum;
+using loops::tile_max;
+using loops::accumulate_values;
+using loops::tile_logits;
+using loops::unpack_offsets;
+#endif
+
+}  // namespace detail
+
 // Online-softmax state of the query rows of one KV head: rows = g * n_q.
 struct OnlineSoftmax {
   std::int64_t rows = 0, d = 0;
@@ -44,21 +332,16 @@ struct OnlineSoftmax {
       : rows(r), d(dim), max(static_cast<std::size_t>(r), -std::numeric_limits<float>::infinity()),
         sum(static_cast<std::size_t>(r), 0.0f), acc(static_cast<std::size_t>(r * dim), 0.0f) {}
 
-  // Turns the logits s[0..n) of row r into probabilities relative to the new running max
-  // (s[n..n_max) are zeroed too: the caller adds p * v for a whole tile), updates the max and
-  // sum and rescales the row's output. Returns false (s all zero) when every logit is masked.
-  bool rescale(std::int64_t r, float* s, std::int64_t n, std::int64_t n_max) {
+  // Turns the logits s[0..n) of row r into probabilities relative to the new running max,
+  // updates the max and sum and rescales the row's output. Returns false (s untouched) when every
+  // logit is masked. s holds whole chunks of 16 floats (those past n are read, not used).
+  bool rescale(std::int64_t r, float* s, std::int64_t n) {
     const auto ri = static_cast<std::size_t>(r);
-    float mx = max[ri];
-    for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    if (n == 0 || mx == -std::numeric_limits<float>::infinity()) {  // all masked
-      std::fill(s, s + n_max, 0.0f);
-      return false;
-    }
-    const float corr = std::exp(max[ri] - mx);
-    float add = 0;
-    for (std::int64_t t = 0; t < n; ++t) add += (s[t] = std::exp(s[t] - mx));
-    std::fill(s + n, s + n_max, 0.0f);
+    const float tmax = detail::tile_max(s, n);
+    const float mx = tmax > max[ri] ? tmax : max[ri];
+    if (n == 0 || mx == -std::numeric_limits<float>::infinity()) return false;  // all masked
+    const float corr = detail::exp_nonpositive(max[ri] - mx);  // 0 for a first tile (-inf)
+    const float add = detail::tile_exp_sum(s, n, mx);
     sum[ri] = sum[ri] * corr + add;
     max[ri] = mx;
     if (corr != 1.0f) {
@@ -67,106 +350,93 @@ struct OnlineSoftmax {
     }
     return true;
   }
-
-  // Folds n logits s[0..n) (overwritten with probabilities) and values v [n][d] into row r.
-  void fold(std::int64_t r, float* s, std::int64_t n, const float* v) {
-    if (!rescale(r, s, n, n)) return;
-    float* a = acc.data() + r * d;
-    for (std::int64_t t = 0; t < n; ++t) {
-      const float p = s[t];
-      const float* vt = v + t * d;
-      for (std::int64_t e = 0; e < d; ++e) a[e] += p * vt[e];
-    }
-  }
 };
 
 namespace detail {
 
-// One tile of G tokens in the form the kernels below read: keys channel-major ky [d][G] with a
-// scale per channel, values token-major vy [G][d] with a scale per (token, block of G channels).
-// Packed tiles hold y = code - zero and the blocks' scales; the residual's fp32 rows are copied
-// in with scales of 1 (keys transposed, values as they are).
-template <int G>
-struct TileBuffer {
-  std::int64_t d;
-  std::vector<float> ky, kscale, vy, vscale, ones, zeros;
-  explicit TileBuffer(std::int64_t dim)
-      : d(dim), ky(static_cast<std::size_t>(dim * G)), kscale(static_cast<std::size_t>(dim)),
-        vy(static_cast<std::size_t>(G * dim)), vscale(static_cast<std::size_t>(dim)),
-        ones(static_cast<std::size_t>(dim), 1.0f), zeros(static_cast<std::size_t>(dim), 0.0f) {}
+// Rows of the online softmax taken together per tile pass: the logit and value kernels hold
+// 2 kRowBlock running sums of 16 floats each (8 of the 32 AVX-512 registers), enough
+// independent sums to keep both FMA ports busy through the 4-cycle latency.
+constexpr int kRowBlock = 4;
 
-  template <class Blk>
-  void unpack_keys(const std::byte* tile) {
-    const auto* kb = reinterpret_cast<const Blk*>(tile);
-    for (std::int64_t c = 0; c < d; ++c) {
-      block_offsets(kb[c], ky.data() + c * G);
-      kscale[static_cast<std::size_t>(c)] = kb[c].scale;
-    }
+// Calls f(std::integral_constant<int, R>) for the rows of a block, 1 <= R <= kRowBlock.
+template <class F>
+void with_rows(std::int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
   }
-  // Blocks (t, b) in token order, G per token row of the tile: G * d / G = d blocks.
-  template <class Blk>
-  void unpack_values(const std::byte* tile) {
-    const auto* vb = reinterpret_cast<const Blk*>(tile);
-    for (std::int64_t i = 0; i < d; ++i) {
-      block_offsets(vb[i], vy.data() + i * G);
-      vscale[static_cast<std::size_t>(i)] = vb[i].scale;
+}
+
+// Scratch of one work item, in one 64-byte aligned allocation: every part is a multiple of 16
+// floats (d and G are multiples of 32), so each starts on a cache line. Left uninitialized
+// (zeroing it cost as much as a tenth of a decode step): every part is written before it is read.
+struct Workspace {
+  std::unique_ptr<float[]> buf;
+  float *q, *ky, *kscale, *vy, *vscale, *norms, *s, *w, *u;
+  Workspace(std::int64_t rows, std::int64_t d, std::int64_t G) {
+    const std::int64_t sizes[] = {rows * d, d * G, d, G * d, d, G, kRowBlock * G, kRowBlock * d,
+                                  kRowBlock * d};
+    std::int64_t total = 16;
+    for (std::int64_t n : sizes) total += n;
+    buf.reset(new float[static_cast<std::size_t>(total)]);
+    const auto addr = reinterpret_cast<std::uintptr_t>(buf.get());
+    float* p = buf.get() + ((64 - addr % 64) % 64) / sizeof(float);
+    float** parts[] = {&q, &ky, &kscale, &vy, &vscale, &norms, &s, &w, &u};
+    for (int i = 0; i < 9; ++i) {
+      *parts[i] = p;
+      p += sizes[i];
     }
-  }
-  // n <= G residual key rows [n][d] (stored form), transposed; tokens past n are zero.
-  void load_keys(const float* k, std::int64_t n) {
-    for (std::int64_t c = 0; c < d; ++c) {
-      float* y = ky.data() + c * G;
-      for (std::int64_t t = 0; t < n; ++t) y[t] = k[t * d + c];
-      for (std::int64_t t = n; t < G; ++t) y[t] = 0.0f;
-    }
-    std::fill(kscale.begin(), kscale.end(), 1.0f);
   }
 };
 
-// Products folded into one load and store of each running sum: the sums stay in registers for
-// kFold terms (a compiler keeps an accumulator array in memory across an outer loop, and a
-// store-to-load round trip per term would bound the loops below by its latency). The terms are
-// still added in order.
-constexpr int kFold = 8;
-
-// s[t] = sum_c (q_c * kscale_c) * ky[c][t], t < G: the tile's key logits of one query row, the
-// channels summed in order. d: a multiple of kFold.
-template <int G>
-void tile_logits(const float* q, const float* ky, const float* kscale, std::int64_t d, float* s) {
-  std::fill(s, s + G, 0.0f);
-  for (std::int64_t c0 = 0; c0 < d; c0 += kFold) {
-    float w[kFold];
-    for (int k = 0; k < kFold; ++k) w[k] = q[c0 + k] * kscale[c0 + k];
-    const float* y = ky + c0 * G;
-    for (int t = 0; t < G; ++t) {
-      float a = s[t];
-      for (int k = 0; k < kFold; ++k) a += w[k] * y[k * G + t];
-      s[t] = a;
-    }
+// Unpacks a packed tile into ws: keys kb (block c = channel c over the G tokens) to ky [d][G]
+// and kscale [d], the token norms stored after them (or ones) to norms [G]; values vb (blocks
+// (t, b) in token order, block t (d / G) + b holding channels [b G, b G + G) of token t) to vy
+// [G][d] and their scales, transposed, to vscale [d / G][G].
+template <class Blk>
+void unpack_tile(const Blk* kb, const Blk* vb, std::int64_t d, bool token_norm, const Workspace& ws) {
+  constexpr int G = Blk::group;
+  float* const ky = ws.ky;
+  float* const kscale = ws.kscale;
+  for (std::int64_t c = 0; c < d; ++c) {
+    unpack_offsets(kb[c], ky + c * G);
+    kscale[c] = kb[c].scale;
   }
+  if (token_norm) {
+    const auto* nr = reinterpret_cast<const float*>(kb + d);
+    std::copy(nr, nr + G, ws.norms);
+  } else {
+    std::fill(ws.norms, ws.norms + G, 1.0f);
+  }
+  float* const vy = ws.vy;
+  float* const vscale = ws.vscale;
+  const std::int64_t per_row = d / G;
+  for (int t = 0; t < G; ++t)
+    for (std::int64_t b = 0; b < per_row; ++b) {
+      const Blk& blk = vb[t * per_row + b];
+      unpack_offsets(blk, vy + t * d + b * G);
+      vscale[b * G + t] = blk.scale;
+    }
 }
 
-// a[e] += sum_t p_t * scale(t, e / G) * y[t][e] for t < n, in token order. y: [n][d]; scale:
-// [n][d / G] with stride `scale_stride` per token (d / G, or 0 for one row of ones); zero: d
-// zeros, read in place of the rows past n.
-template <int G>
-void accumulate_values(const float* p, std::int64_t n, const float* y, const float* scale,
-                       std::int64_t scale_stride, const float* zero, std::int64_t d, float* a) {
-  for (std::int64_t t0 = 0; t0 < n; t0 += kFold) {
-    const float* row[kFold];
-    for (int k = 0; k < kFold; ++k) row[k] = t0 + k < n ? y + (t0 + k) * d : zero;
-    for (std::int64_t b = 0; b < d / G; ++b) {
-      float u[kFold];
-      for (int k = 0; k < kFold; ++k) u[k] = t0 + k < n ? p[t0 + k] * scale[(t0 + k) * scale_stride + b] : 0.0f;
-      float* ab = a + b * G;
-      for (int j = 0; j < G; ++j) {
-        float acc = ab[j];
-        for (int k = 0; k < kFold; ++k) acc += u[k] * row[k][b * G + j];
-        ab[j] = acc;
-      }
-    }
-  }
+// Requests tile i's key and value bytes ahead of their use. The tiles of a work item are read
+// once, in order, from L3 or memory, and the work on one tile is short enough that its loads,
+// issued as the unpacking reaches them, stalled it (half the time of a warm decode step went to
+// the first instruction reading each block).
+inline void prefetch_tile(const PackedCache& c, std::int64_t i) {
+#if defined(__GNUC__)
+  const std::byte* k = c.key_tile(i);
+  const std::byte* v = c.value_tile(i);
+  for (std::size_t b = 0; b < c.key_tile_size(); b += 64) __builtin_prefetch(k + b, 0, 1);
+  for (std::size_t b = 0; b < c.value_tile_size(); b += 64) __builtin_prefetch(v + b, 0, 1);
+#else
+  (void)c, (void)i;
+#endif
 }
+
 
 }  // namespace detail
 
@@ -228,56 +498,75 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
       const std::int64_t h = it.h;
       const PackedCache& c = heads[static_cast<std::size_t>(h)];
       const std::int64_t len = c.size();
+      detail::Workspace ws(rows, d, G);
       // Query rows r = m * n_q + i of query head h * g + m, rotated and pre-scaled.
-      std::vector<float> q(static_cast<std::size_t>(rows * d));
       for (std::int64_t r = 0; r < rows; ++r) {
-        float* qr = q.data() + r * d;
+        float* qr = ws.q + r * d;
         for (std::int64_t e = 0; e < d; ++e) qr[e] = to_float(queries.at(0, h * g + r / nq, r % nq, e)) * scale;
         if (cfg.rotate) hadamard_unchecked(qr, d);
       }
-      detail::TileBuffer<G> buf(d);
-      std::vector<float> norms(static_cast<std::size_t>(G)), s(static_cast<std::size_t>(G));
       const float* bias = args.bias ? args.bias + h * args.bias_stride : nullptr;
       OnlineSoftmax& st = states[static_cast<std::size_t>(item)];
-      // One tile of n <= G tokens from token `base` on, its keys in buf and norms [n]; values y
-      // [n][d] with scales [n][d / G] (scale_stride d / G) or all ones (scale_stride 0).
-      auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* vy, const float* vscale,
-                           std::int64_t scale_stride) {
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t i = r % nq;
-          const std::int64_t visible = args.causal ? len - nq + i + 1 : len;
-          const std::int64_t m = std::clamp<std::int64_t>(visible - base, 0, n);
-          if (m == 0) continue;
-          detail::tile_logits<G>(q.data() + r * d, buf.ky.data(), buf.kscale.data(), d, s.data());
-          for (std::int64_t t = 0; t < m; ++t) {
-            s[static_cast<std::size_t>(t)] *= norms[static_cast<std::size_t>(t)];
-            if (bias) s[static_cast<std::size_t>(t)] += bias[base + t];
-          }
-          if (!st.rescale(r, s.data(), m, n)) continue;
-          detail::accumulate_values<G>(s.data(), n, vy, vscale, scale_stride, buf.zeros.data(), d,
-                                       st.acc.data() + r * d);
+      // One tile of n <= G tokens from token `base` on: keys ws.ky [d][G] with scales ws.kscale
+      // and norms ws.norms [G]; values y [n][d] with scales ws.vscale [d / G][G] (ones for the
+      // residual). Rows are taken kRowBlock at a time.
+      auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* y) {
+        for (std::int64_t r0 = 0; r0 < rows; r0 += detail::kRowBlock) {
+          detail::with_rows(std::min<std::int64_t>(detail::kRowBlock, rows - r0), [&](auto rc) {
+            constexpr int R = decltype(rc)::value;
+            std::int64_t m[R], m_max = 0;  // tokens of the tile each row sees
+            for (int r = 0; r < R; ++r) {
+              const std::int64_t visible = args.causal ? len - nq + (r0 + r) % nq + 1 : len;
+              m[r] = std::clamp<std::int64_t>(visible - base, 0, n);
+              m_max = std::max(m_max, m[r]);
+            }
+            if (m_max == 0) return;
+            for (int r = 0; r < R; ++r)
+              for (std::int64_t e = 0; e < d; ++e) ws.w[r * d + e] = ws.q[(r0 + r) * d + e] * ws.kscale[e];
+            detail::tile_logits<G, R>(ws.w, ws.ky, d, ws.s);
+            for (int r = 0; r < R; ++r) {
+              float* s = ws.s + r * G;
+              for (int t = 0; t < G; ++t) s[t] *= ws.norms[t];
+              if (bias)
+                for (std::int64_t t = 0; t < m[r]; ++t) s[t] += bias[base + t];
+              const std::int64_t mr = st.rescale(r0 + r, s, m[r]) ? m[r] : 0;
+              // u[r][b][t] = p_t * scale(t, b), zero for the tokens the row does not see.
+              for (std::int64_t b = 0; b < d / G; ++b) {
+                float* u = ws.u + r * d + b * G;
+                const float* vs = ws.vscale + b * G;
+                for (int t = 0; t < G; ++t) u[t] = t < mr ? s[t] * vs[t] : 0.0f;
+              }
+            }
+            detail::accumulate_values<G, R>(ws.u, m_max, y, d, st.acc.data() + r0 * d);
+          });
         }
       };
+      const std::int64_t last_tile = std::min(it.u1, c.tiles()) - 1;
+      if (it.u0 <= last_tile) detail::prefetch_tile(c, it.u0);
       for (std::int64_t u = it.u0; u < it.u1; ++u) {
         if (u < c.tiles()) {
           const std::int64_t tile = u;
-          buf.template unpack_keys<Blk>(c.key_tile(tile));
-          if (cfg.token_norm) {
-            const auto* nr = reinterpret_cast<const float*>(c.key_tile(tile) + d * static_cast<std::int64_t>(sizeof(Blk)));
-            std::copy(nr, nr + G, norms.begin());
-          } else {
-            std::fill(norms.begin(), norms.end(), 1.0f);
-          }
-          buf.template unpack_values<Blk>(c.value_tile(tile));
-          fold_tile(tile * G, G, buf.vy.data(), buf.vscale.data(), d / G);
+          if (tile < last_tile) detail::prefetch_tile(c, tile + 1);
+          detail::unpack_tile(reinterpret_cast<const Blk*>(c.key_tile(tile)),
+                              reinterpret_cast<const Blk*>(c.value_tile(tile)), d, cfg.token_norm, ws);
+          fold_tile(tile * G, G, ws.vy);
           continue;
         }
-        // Residual piece: keys transposed into buf, values read in place (scale 1).
+        // Residual piece: keys transposed into ws.ky (zero past n) with scales 1, values read in
+        // place with scales 1.
         const std::int64_t r0 = (u - c.tiles()) * G;
         const std::int64_t n = std::min<std::int64_t>(G, c.residual_tokens() - r0);
-        buf.load_keys(c.residual_keys() + r0 * d, n);
-        std::copy(c.residual_norms() + r0, c.residual_norms() + r0 + n, norms.begin());
-        fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d, buf.ones.data(), 0);
+        const float* k = c.residual_keys() + r0 * d;
+        for (std::int64_t ch = 0; ch < d; ++ch) {
+          float* yc = ws.ky + ch * G;
+          for (std::int64_t t = 0; t < n; ++t) yc[t] = k[t * d + ch];
+          std::fill(yc + n, yc + G, 0.0f);
+        }
+        std::fill(ws.kscale, ws.kscale + d, 1.0f);
+        std::fill(ws.vscale, ws.vscale + d, 1.0f);
+        std::copy(c.residual_norms() + r0, c.residual_norms() + r0 + n, ws.norms);
+        std::fill(ws.norms + n, ws.norms + G, 0.0f);
+        fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d);
       }
     });
     // Merge each head's chunks in order and write its rows (with the output rotation): on the
