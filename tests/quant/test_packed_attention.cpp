@@ -392,22 +392,50 @@ void check_unpack(kvtest::Rng& rng) {
   }
 }
 
-// Logits and value sums of R rows over one tile of G tokens: the kernel in use and the plain
-// loops against a double-precision sum of the same products.
-template <int G, int R>
+// Random blocks: codes from random bytes, integer zero points, any scale (the kernels read the
+// codes and zero points only).
+template <class Blk>
+std::vector<Blk> random_blocks(kvtest::Rng& rng, std::int64_t count) {
+  std::vector<Blk> blocks(static_cast<std::size_t>(count));
+  for (Blk& b : blocks) {
+    b.scale = static_cast<float>(rng.uniform(0.01, 2));
+    b.zero = static_cast<float>(rng.integer(-3, 2 * Blk::max_code));
+    for (auto& byte : b.qs) byte = static_cast<std::uint8_t>(rng.integer(0, 255));
+  }
+  return blocks;
+}
+
+// Logits and value sums of R rows over one tile of G tokens with random packed blocks: the
+// kernels in use and the plain loops, over the unpacked floats and over the blocks, against a
+// double-precision sum of the same products; with AVX-512 the packed kernels give the float
+// kernels' bits (the same fused products in the same order).
+template <class Blk, int R>
 void check_kernels(kvtest::Rng& rng, std::int64_t d, std::int64_t n) {
-  const auto w = rng.normals(R * d), ky = rng.normals(d * G), u0 = rng.normals(R * d), y = rng.normals(n * d);
+  constexpr int G = Blk::group;
+  const auto kb = random_blocks<Blk>(rng, d), vb = random_blocks<Blk>(rng, n * (d / G));
+  std::vector<float> ky(static_cast<std::size_t>(d * G)), y(static_cast<std::size_t>(n * d));
+  for (std::int64_t c = 0; c < d; ++c) q::block_offsets(kb[static_cast<std::size_t>(c)], ky.data() + c * G);
+  for (std::size_t i = 0; i < vb.size(); ++i) q::block_offsets(vb[i], y.data() + i * G);
+  const auto w = rng.normals(R * d), u0 = rng.normals(R * d);
   auto u = u0;  // u[r][b][t] is read for t < n only; poison the rest
   for (std::int64_t i = 0; i < R * d; ++i)
     if (i % G >= n) u[static_cast<std::size_t>(i)] = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> s(R * G), s_plain(R * G);
-  qd::tile_logits<G, R>(w.data(), ky.data(), d, s.data());
-  qd::loops::tile_logits<G, R>(w.data(), ky.data(), d, s_plain.data());
+  std::vector<std::vector<float>> s(4, std::vector<float>(R * G));
+  qd::tile_logits<G, R>(w.data(), ky.data(), d, s[0].data());
+  qd::loops::tile_logits<G, R>(w.data(), ky.data(), d, s[1].data());
+  qd::tile_logits_packed<Blk, R>(w.data(), kb.data(), d, s[2].data());
+  qd::loops::tile_logits_packed<Blk, R>(w.data(), kb.data(), d, s[3].data());
   const auto acc0 = rng.normals(R * d);
-  auto acc = acc0, acc_plain = acc0;
-  qd::accumulate_values<G, R>(u.data(), n, y.data(), d, acc.data());
-  qd::loops::accumulate_values<G, R>(u.data(), n, y.data(), d, acc_plain.data());
-  INFO("G " << G << " R " << R << " d " << d << " n " << n);
+  std::vector<std::vector<float>> acc(4, acc0);
+  qd::accumulate_values<G, R>(u.data(), n, y.data(), d, acc[0].data());
+  qd::loops::accumulate_values<G, R>(u.data(), n, y.data(), d, acc[1].data());
+  qd::accumulate_packed<Blk, R>(u.data(), n, vb.data(), d, acc[2].data());
+  qd::loops::accumulate_packed<Blk, R>(u.data(), n, vb.data(), d, acc[3].data());
+  INFO("bits " << Blk::bits << " G " << G << " R " << R << " d " << d << " n " << n);
+  if (KVP_QUANT_AVX512) {
+    REQUIRE(s[2] == s[0]);
+    REQUIRE(acc[2] == acc[0]);
+  }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < G; ++t) {
       double ref = 0, mag = 0;
@@ -417,8 +445,7 @@ void check_kernels(kvtest::Rng& rng, std::int64_t d, std::int64_t n) {
       }
       // d rounded additions (and products), each within 2^-24 of the running magnitude.
       const double tol = 2.0 * static_cast<double>(d) * 0x1p-24 * mag;
-      REQUIRE(std::abs(s[static_cast<std::size_t>(r * G + t)] - ref) <= tol);
-      REQUIRE(std::abs(s_plain[static_cast<std::size_t>(r * G + t)] - ref) <= tol);
+      for (const auto& si : s) REQUIRE(std::abs(si[static_cast<std::size_t>(r * G + t)] - ref) <= tol);
     }
     for (std::int64_t e = 0; e < d; ++e) {
       double ref = acc0[static_cast<std::size_t>(r * d + e)], mag = std::abs(ref);
@@ -427,8 +454,7 @@ void check_kernels(kvtest::Rng& rng, std::int64_t d, std::int64_t n) {
         ref += p, mag += std::abs(p);
       }
       const double tol = 2.0 * static_cast<double>(n + 1) * 0x1p-24 * mag;
-      REQUIRE(std::abs(acc[static_cast<std::size_t>(r * d + e)] - ref) <= tol);
-      REQUIRE(std::abs(acc_plain[static_cast<std::size_t>(r * d + e)] - ref) <= tol);
+      for (const auto& ai : acc) REQUIRE(std::abs(ai[static_cast<std::size_t>(r * d + e)] - ref) <= tol);
     }
   }
 }
@@ -445,18 +471,19 @@ TEST_CASE("packed attention: unpacking a block equals block_offsets bit for bit"
   check_unpack<q::Block<4, 128>>(rng);
 }
 
-TEST_CASE("packed attention: logit and value kernels match the plain loops and a double sum", "[quant]") {
+TEST_CASE("packed attention: logit and value kernels, over floats and over blocks, match a double sum", "[quant]") {
   kvtest::Rng rng(43);
   for (std::int64_t n : {32, 7, 1}) {
-    check_kernels<32, 1>(rng, 64, n);
-    check_kernels<32, 2>(rng, 128, n);
-    check_kernels<32, 3>(rng, 96, n);
-    check_kernels<32, 4>(rng, 128, n);
+    check_kernels<q::Block<2, 32>, 1>(rng, 64, n);
+    check_kernels<q::Block<2, 32>, 2>(rng, 128, n);
+    check_kernels<q::Block<4, 32>, 3>(rng, 96, n);
+    check_kernels<q::Block<2, 32>, 4>(rng, 128, n);
+    check_kernels<q::Block<4, 32>, 4>(rng, 128, n);
   }
-  check_kernels<64, 4>(rng, 128, 64);
-  check_kernels<64, 3>(rng, 64, 40);
-  check_kernels<128, 4>(rng, 256, 128);
-  check_kernels<128, 1>(rng, 128, 9);
+  check_kernels<q::Block<2, 64>, 4>(rng, 128, 64);
+  check_kernels<q::Block<4, 64>, 3>(rng, 64, 40);
+  check_kernels<q::Block<2, 128>, 4>(rng, 256, 128);
+  check_kernels<q::Block<4, 128>, 1>(rng, 128, 9);
 }
 
 TEST_CASE("packed attention: exp_nonpositive is std::exp within 4 ulp, 0 below -87", "[quant]") {

@@ -1,11 +1,12 @@
 // Attention of one layer over packed caches (PackedCache per KV head, packed tiles + fp32
 // residual), never materializing the full-precision cache: each tile of `group` tokens is
-// unpacked into a small buffer and folded into an online softmax (running max, sum and output per
+// unpacked as it is read and folded into an online softmax (running max, sum and output per
 // query row), so memory is O(group * d) per thread whatever the length.
 //   out[q, i] = H^T sum_j softmax_j((H q_i).K~_j * n_j / sqrt(d) + bias[h, j]) V~_j
 // which equals the plain attention over the dequantized cache (see quantizer.hpp: K~, V~, n).
-// GQA: query head q reads KV head q / (Hq / Hkv); the tiles of a KV head are unpacked once for all
-// its query heads and queries. causal: query i of n_q sees the first len - n_q + i + 1 tokens
+// GQA: query head q reads KV head q / (Hq / Hkv); the tiles of a KV head are read once for all
+// its query heads and queries (and unpacked once per 4 of those query rows: once at decode with
+// 4 query heads per KV head). causal: query i of n_q sees the first len - n_q + i + 1 tokens
 // (as cpu::attention). Deterministic and independent of the thread count (work items are a KV
 // head, or at decode a fixed chunk of its tiles; see packed_attention).
 //
@@ -21,13 +22,14 @@
 // costs ~32K multiply-adds and 8K unpacked values for 4 query rows), so each part is vectorized:
 // - unpack: per block a 16-entry table of (k & max_code) - zero, indexed by the code word shifted
 //   by each lane's bit offset (one shift + one permute per 16 values with AVX-512; block_offsets'
-//   bits exactly, tested);
-// - logits and values: kRowBlock (4) query rows per pass over the unpacked tile, their running
-//   sums in registers; logit t sums its channels in order from 0, output e its tokens in order
-//   (one fused multiply-add per term with AVX-512);
+//   bits exactly, tested), done in registers inside the two kernels below (tile_logits_packed,
+//   accumulate_packed), so a packed tile never goes through memory as floats;
+// - logits and values: kRowBlock (4) query rows per pass over the tile, their running sums in
+//   registers; logit t sums its channels in order from 0, output e its tokens in order (one fused
+//   multiply-add per term with AVX-512);
 // - softmax: e^x by a polynomial (exp_nonpositive, a few ulp from std::exp), the tile's terms
 //   summed in 16 lanes and then pairwise; the running sum and output are rescaled by
-//   e^(old max - new max) once per row and tile.
+//   e^(old max - new max) once per row and tile, the 4 rows' steps interleaved.
 // The next tile's bytes are prefetched, and each work item holds one scratch allocation.
 // Without AVX-512 (portable builds) the same kernels are plain loops, with the same order.
 #pragma once
@@ -87,8 +89,8 @@ inline float exp_nonpositive(float x) {
 
 // The tile kernels below exist twice: as plain loops (every build; tests run them against the
 // intrinsics) and, where the compiler targets AVX-512F, with intrinsics that keep the running
-// sums in registers. Both sum in the same order; the intrinsics fuse each product into its sum
-// (one rounding instead of two).
+// sums in registers. Both sum in the same order; the intrinsics fuse every product into its sum
+// (one rounding instead of two), the loops where the compiler contracts them.
 namespace loops {
 
 // y = block_offsets(b): (code - zero) for the block's Group values.
@@ -158,6 +160,39 @@ inline float tile_exp_sum(float* s, std::int64_t n, float mx) {
   return lane[0];
 }
 
+// tile_logits over the packed key blocks kb [d] (block c = channel c), unpacked one at a time.
+template <class Blk, int R>
+inline void tile_logits_packed(const float* w, const Blk* kb, std::int64_t d, float* s) {
+  constexpr int G = Blk::group;
+  float y[G];
+  for (std::int64_t i = 0; i < R * G; ++i) s[i] = 0.0f;
+  for (std::int64_t c = 0; c < d; ++c) {
+    unpack_offsets(kb[c], y);
+    for (int r = 0; r < R; ++r) {
+      const float wr = w[r * d + c];
+      float* sr = s + r * G;
+      for (int t = 0; t < G; ++t) sr[t] += wr * y[t];
+    }
+  }
+}
+
+// accumulate_values over the packed value blocks vb (block t (d / G) + b = channels
+// [b G, b G + G) of token t), unpacked one at a time.
+template <class Blk, int R>
+inline void accumulate_packed(const float* u, std::int64_t n, const Blk* vb, std::int64_t d, float* acc) {
+  constexpr int G = Blk::group;
+  float y[G];
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t b = 0; b < d / G; ++b) {
+      unpack_offsets(vb[t * (d / G) + b], y);
+      for (int r = 0; r < R; ++r) {
+        const float p = u[(r * (d / G) + b) * G + t];
+        float* a = acc + r * d + b * G;
+        for (int j = 0; j < G; ++j) a[j] += p * y[j];
+      }
+    }
+}
+
 }  // namespace loops
 
 #if KVP_QUANT_AVX512
@@ -168,30 +203,40 @@ namespace avx512 {
 // the broadcast code word (value j at bit j * Bits) and one permute by its low 4 bits.
 // (The zero-masking forms with every lane selected are the plain instructions; GCC 12 flags the
 // undefined pass-through operand of the unmasked intrinsics with -Wuninitialized.)
+constexpr __mmask16 kAll = 0xFFFF;
+
 template <int Bits, int Group>
-inline void unpack_offsets(const Block<Bits, Group>& b, float* y) {
-  constexpr __mmask16 kAll = 0xFFFF;
+inline __m512 offset_table(const Block<Bits, Group>& b) {
   const __m512 codes = Bits == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
                                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_sub_ps(codes, _mm512_set1_ps(b.zero));
-  for (int k = 0; k < Group / 16; ++k) {
-    __m512i idx;
-    if constexpr (Bits == 2) {  // 16 values = one 32-bit word
-      std::uint32_t w;
-      memcpy(&w, b.qs + 4 * k, 4);
-      idx = _mm512_maskz_srlv_epi32(kAll, _mm512_set1_epi32(static_cast<int>(w)),
-                                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
-    } else {  // 16 values = one 64-bit word: its low half to lanes 0-7, its high half to 8-15
-      std::uint64_t w;
-      memcpy(&w, b.qs + 8 * k, 8);
-      const __m512i halves = _mm512_maskz_permutexvar_epi32(
-          kAll, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-          _mm512_set1_epi64(static_cast<long long>(w)));
-      idx = _mm512_maskz_srlv_epi32(
-          kAll, halves, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
-    }
-    _mm512_storeu_ps(y + 16 * k, _mm512_maskz_permutexvar_ps(kAll, idx, table));
+  return _mm512_sub_ps(codes, _mm512_set1_ps(b.zero));
+}
+
+// Values 16 k .. 16 k + 15 of block b, through its offset_table.
+template <int Bits, int Group>
+inline __m512 unpack16(const Block<Bits, Group>& b, __m512 table, int k) {
+  __m512i idx;
+  if constexpr (Bits == 2) {  // 16 values = one 32-bit word
+    std::uint32_t w;
+    memcpy(&w, b.qs + 4 * k, 4);
+    idx = _mm512_maskz_srlv_epi32(kAll, _mm512_set1_epi32(static_cast<int>(w)),
+                                  _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+  } else {  // 16 values = one 64-bit word: its low half to lanes 0-7, its high half to 8-15
+    std::uint64_t w;
+    memcpy(&w, b.qs + 8 * k, 8);
+    const __m512i halves = _mm512_maskz_permutexvar_epi32(
+        kAll, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_set1_epi64(static_cast<long long>(w)));
+    idx = _mm512_maskz_srlv_epi32(
+        kAll, halves, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
   }
+  return _mm512_maskz_permutexvar_ps(kAll, idx, table);
+}
+
+template <int Bits, int Group>
+inline void unpack_offsets(const Block<Bits, Group>& b, float* y) {
+  const __m512 table = offset_table(b);
+  for (int k = 0; k < Group / 16; ++k) _mm512_storeu_ps(y + 16 * k, unpack16(b, table, k));
 }
 
 // loops::tile_logits with the 2 R sums of 32 tokens in registers, one fused product per term.
@@ -241,10 +286,66 @@ inline void accumulate_values(const float* u, std::int64_t n, const float* y, st
   }
 }
 
+// tile_logits over the packed key blocks kb [d] (block c = channel c), unpacked in registers:
+// the same terms and order as tile_logits over their unpack_offsets, so the same bits.
+template <class Blk, int R>
+inline void tile_logits_packed(const float* w, const Blk* kb, std::int64_t d, float* s) {
+  constexpr int G = Blk::group;
+  for (int t0 = 0; t0 < G; t0 += 32) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (std::int64_t c = 0; c < d; ++c) {
+      const __m512 table = offset_table(kb[c]);
+      const __m512 y0 = unpack16(kb[c], table, t0 / 16), y1 = unpack16(kb[c], table, t0 / 16 + 1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 wr = _mm512_set1_ps(w[r * d + c]);
+        a[r][0] = _mm512_fmadd_ps(wr, y0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(wr, y1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * G + t0, a[r][0]);
+      _mm512_storeu_ps(s + r * G + t0 + 16, a[r][1]);
+    }
+  }
+}
+
+// accumulate_values over the packed value blocks vb (block t (d / G) + b = channels
+// [b G, b G + G) of token t), unpacked in registers: the same bits as over their unpack_offsets.
+template <class Blk, int R>
+inline void accumulate_packed(const float* u, std::int64_t n, const Blk* vb, std::int64_t d, float* acc) {
+  constexpr int G = Blk::group;
+  const std::int64_t per_row = d / G;
+  for (std::int64_t e0 = 0; e0 < d; e0 += 32) {
+    const std::int64_t b = e0 / G;
+    const int k = static_cast<int>(e0 % G) / 16;
+    const float* ub = u + b * G;
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + r * d + e0);
+      a[r][1] = _mm512_loadu_ps(acc + r * d + e0 + 16);
+    }
+    for (std::int64_t t = 0; t < n; ++t) {
+      const Blk& blk = vb[t * per_row + b];
+      const __m512 table = offset_table(blk);
+      const __m512 y0 = unpack16(blk, table, k), y1 = unpack16(blk, table, k + 1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(ub[r * d + t]);
+        a[r][0] = _mm512_fmadd_ps(p, y0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(p, y1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * d + e0, a[r][0]);
+      _mm512_storeu_ps(acc + r * d + e0 + 16, a[r][1]);
+    }
+  }
+}
+
 // exp_nonpositive on 16 lanes, the same operations.
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
-  const __m512 xc = _mm512_max_ps(x, lo);  // a NaN x gives lo (the second operand)
+  const __m512 xc = _mm512_maskz_max_ps(kAll, x, lo);  // a NaN x gives lo (the second operand)
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic), magic);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -255,7 +356,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512i bits = _mm512_maskz_slli_epi32(
+      kAll, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(kAll, n), _mm512_set1_epi32(127)), 23);
   const __m512 e = _mm512_mul_ps(er, _mm512_castsi512_ps(bits));
   const __m512 small = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // 0, or the NaN
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), small, e);
@@ -266,27 +368,25 @@ inline __mmask16 lanes_below(std::int64_t n, std::int64_t t0) {
   return n - t0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - t0)) - 1u);
 }
 
-// The two halves of v, lanes 0 .. 7 and 8 .. 15, through memory: GCC 12 implements the
-// 512-to-256-bit casts and extracts with an undefined operand that -Wuninitialized flags.
-struct Halves {
-  __m256 lo, hi;
-};
-inline Halves halves(__m512 v) {
-  alignas(64) float b[16];
-  _mm512_store_ps(b, v);
-  return {_mm256_load_ps(b), _mm256_load_ps(b + 8)};
+// v with lane j swapped with lane j ^ w (w = 8, 4, 2, 1): a butterfly step of the reductions
+// below, which leave every lane holding lane j (op)= lane j + w for w = 8, 4, 2, 1.
+template <int W>
+inline __m512 swap_lanes(__m512 v) {
+  if constexpr (W == 8) return _mm512_maskz_shuffle_f32x4(kAll, v, v, 0x4E);
+  if constexpr (W == 4) return _mm512_maskz_shuffle_f32x4(kAll, v, v, 0xB1);
+  if constexpr (W == 2) return _mm512_maskz_permute_ps(kAll, v, 0x4E);
+  return _mm512_maskz_permute_ps(kAll, v, 0xB1);
 }
 
 inline float tile_max(const float* s, std::int64_t n) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (std::int64_t t0 = 0; t0 < n; t0 += 16)
     m = _mm512_mask_max_ps(m, lanes_below(n, t0), m, _mm512_loadu_ps(s + t0));
-  const Halves mh = halves(m);
-  const __m256 h = _mm256_max_ps(mh.lo, mh.hi);
-  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_max_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
+  m = _mm512_maskz_max_ps(kAll, m, swap_lanes<8>(m));
+  m = _mm512_maskz_max_ps(kAll, m, swap_lanes<4>(m));
+  m = _mm512_maskz_max_ps(kAll, m, swap_lanes<2>(m));
+  m = _mm512_maskz_max_ps(kAll, m, swap_lanes<1>(m));
+  return _mm512_cvtss_f32(m);
 }
 
 // loops::tile_exp_sum; the lanes are summed in the same pairwise order.
@@ -299,22 +399,24 @@ inline float tile_exp_sum(float* s, std::int64_t n, float mx) {
     _mm512_storeu_ps(s + t0, e);
     sum = _mm512_add_ps(sum, e);
   }
-  // lane j += lane j + w for w = 8, 4, 2, 1
-  const Halves sh = halves(sum);
-  const __m256 h = _mm256_add_ps(sh.lo, sh.hi);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
+  sum = _mm512_add_ps(sum, swap_lanes<8>(sum));
+  sum = _mm512_add_ps(sum, swap_lanes<4>(sum));
+  sum = _mm512_add_ps(sum, swap_lanes<2>(sum));
+  sum = _mm512_add_ps(sum, swap_lanes<1>(sum));
+  return _mm512_cvtss_f32(sum);
 }
 
 }  // namespace avx512
+using avx512::accumulate_packed;
+using avx512::tile_logits_packed;
 using avx512::tile_exp_sum;
 using avx512::tile_max;
 using avx512::accumulate_values;
 using avx512::tile_logits;
 using avx512::unpack_offsets;
 #else
+using loops::accumulate_packed;
+using loops::tile_logits_packed;
 using loops::tile_exp_sum;
 using loops::tile_max;
 using loops::accumulate_values;
@@ -332,23 +434,36 @@ struct OnlineSoftmax {
       : rows(r), d(dim), max(static_cast<std::size_t>(r), -std::numeric_limits<float>::infinity()),
         sum(static_cast<std::size_t>(r), 0.0f), acc(static_cast<std::size_t>(r * dim), 0.0f) {}
 
-  // Turns the logits s[0..n) of row r into probabilities relative to the new running max,
-  // updates the max and sum and rescales the row's output. Returns false (s untouched) when every
-  // logit is masked. s holds whole chunks of 16 floats (those past n are read, not used).
-  bool rescale(std::int64_t r, float* s, std::int64_t n) {
-    const auto ri = static_cast<std::size_t>(r);
-    const float tmax = detail::tile_max(s, n);
-    const float mx = tmax > max[ri] ? tmax : max[ri];
-    if (n == 0 || mx == -std::numeric_limits<float>::infinity()) return false;  // all masked
-    const float corr = detail::exp_nonpositive(max[ri] - mx);  // 0 for a first tile (-inf)
-    const float add = detail::tile_exp_sum(s, n, mx);
-    sum[ri] = sum[ri] * corr + add;
-    max[ri] = mx;
-    if (corr != 1.0f) {
-      float* a = acc.data() + r * d;
-      for (std::int64_t e = 0; e < d; ++e) a[e] *= corr;
+  // Turns the logits of rows r0 .. r0 + R - 1 (row r at s + r * stride, its first n[r] valid)
+  // into probabilities relative to the new running maxima, updates the maxima and sums and
+  // rescales the rows' outputs by e^(old max - new max). A row whose logits are all masked is
+  // left as it was, with n[r] set to 0. Each step runs for all the rows before the next, so
+  // their dependency chains (reductions, exponentials) overlap. Rows hold whole chunks of 16
+  // floats (those past n[r] are read, not used).
+  template <int R>
+  void rescale_rows(std::int64_t r0, float* s, std::int64_t stride, std::int64_t* n) {
+    float mx[R], corr[R];
+    for (int r = 0; r < R; ++r) {
+      const float tmax = detail::tile_max(s + r * stride, n[r]);
+      const float old = max[static_cast<std::size_t>(r0 + r)];
+      mx[r] = tmax > old ? tmax : old;
     }
-    return true;
+    for (int r = 0; r < R; ++r) {
+      const float old = max[static_cast<std::size_t>(r0 + r)];
+      if (n[r] == 0 || mx[r] == -std::numeric_limits<float>::infinity()) n[r] = 0;  // all masked
+      corr[r] = mx[r] == old ? 1.0f : detail::exp_nonpositive(old - mx[r]);  // 0 for a first tile
+    }
+    for (int r = 0; r < R; ++r) {
+      if (n[r] == 0) continue;
+      const auto ri = static_cast<std::size_t>(r0 + r);
+      const float add = detail::tile_exp_sum(s + r * stride, n[r], mx[r]);
+      sum[ri] = sum[ri] * corr[r] + add;
+      max[ri] = mx[r];
+      if (corr[r] != 1.0f) {
+        float* a = acc.data() + (r0 + r) * d;
+        for (std::int64_t e = 0; e < d; ++e) a[e] *= corr[r];
+      }
+    }
   }
 };
 
@@ -375,51 +490,40 @@ void with_rows(std::int64_t rows, F&& f) {
 // (zeroing it cost as much as a tenth of a decode step): every part is written before it is read.
 struct Workspace {
   std::unique_ptr<float[]> buf;
-  float *q, *ky, *kscale, *vy, *vscale, *norms, *s, *w, *u;
+  float *q, *ky, *kscale, *vscale, *norms, *s, *w, *u;  // ky: the residual's keys
   Workspace(std::int64_t rows, std::int64_t d, std::int64_t G) {
-    const std::int64_t sizes[] = {rows * d, d * G, d, G * d, d, G, kRowBlock * G, kRowBlock * d,
-                                  kRowBlock * d};
+    const std::int64_t sizes[] = {rows * d, d * G, d, d, G, kRowBlock * G, kRowBlock * d, kRowBlock * d};
     std::int64_t total = 16;
     for (std::int64_t n : sizes) total += n;
     buf.reset(new float[static_cast<std::size_t>(total)]);
     const auto addr = reinterpret_cast<std::uintptr_t>(buf.get());
     float* p = buf.get() + ((64 - addr % 64) % 64) / sizeof(float);
-    float** parts[] = {&q, &ky, &kscale, &vy, &vscale, &norms, &s, &w, &u};
-    for (int i = 0; i < 9; ++i) {
+    float** parts[] = {&q, &ky, &kscale, &vscale, &norms, &s, &w, &u};
+    for (int i = 0; i < 8; ++i) {
       *parts[i] = p;
       p += sizes[i];
     }
   }
 };
 
-// Unpacks a packed tile into ws: keys kb (block c = channel c over the G tokens) to ky [d][G]
-// and kscale [d], the token norms stored after them (or ones) to norms [G]; values vb (blocks
-// (t, b) in token order, block t (d / G) + b holding channels [b G, b G + G) of token t) to vy
-// [G][d] and their scales, transposed, to vscale [d / G][G].
+// The scales of a packed tile into ws: keys kb (block c = channel c) to kscale [d], the token
+// norms stored after them (or ones) to norms [G]; values vb (block t (d / G) + b = channels
+// [b G, b G + G) of token t) transposed to vscale [d / G][G]. The kernels unpack the codes.
 template <class Blk>
-void unpack_tile(const Blk* kb, const Blk* vb, std::int64_t d, bool token_norm, const Workspace& ws) {
+void tile_scales(const Blk* kb, const Blk* vb, std::int64_t d, bool token_norm, const Workspace& ws) {
   constexpr int G = Blk::group;
-  float* const ky = ws.ky;
   float* const kscale = ws.kscale;
-  for (std::int64_t c = 0; c < d; ++c) {
-    unpack_offsets(kb[c], ky + c * G);
-    kscale[c] = kb[c].scale;
-  }
+  for (std::int64_t c = 0; c < d; ++c) kscale[c] = kb[c].scale;
   if (token_norm) {
     const auto* nr = reinterpret_cast<const float*>(kb + d);
     std::copy(nr, nr + G, ws.norms);
   } else {
     std::fill(ws.norms, ws.norms + G, 1.0f);
   }
-  float* const vy = ws.vy;
   float* const vscale = ws.vscale;
   const std::int64_t per_row = d / G;
   for (int t = 0; t < G; ++t)
-    for (std::int64_t b = 0; b < per_row; ++b) {
-      const Blk& blk = vb[t * per_row + b];
-      unpack_offsets(blk, vy + t * d + b * G);
-      vscale[b * G + t] = blk.scale;
-    }
+    for (std::int64_t b = 0; b < per_row; ++b) vscale[b * G + t] = vb[t * per_row + b].scale;
 }
 
 // Requests tile i's key and value bytes ahead of their use. The tiles of a work item are read
@@ -507,10 +611,10 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
       }
       const float* bias = args.bias ? args.bias + h * args.bias_stride : nullptr;
       OnlineSoftmax& st = states[static_cast<std::size_t>(item)];
-      // One tile of n <= G tokens from token `base` on: keys ws.ky [d][G] with scales ws.kscale
-      // and norms ws.norms [G]; values y [n][d] with scales ws.vscale [d / G][G] (ones for the
-      // residual). Rows are taken kRowBlock at a time.
-      auto fold_tile = [&](std::int64_t base, std::int64_t n, const float* y) {
+      // One tile of n <= G tokens from token `base` on: key scales ws.kscale, norms ws.norms
+      // [G], value scales ws.vscale [d / G][G]; logits(rc, w, s) writes the logits of R rows,
+      // values(rc, u, n, acc) adds their weighted values. Rows are taken kRowBlock at a time.
+      auto fold_tile = [&](std::int64_t base, std::int64_t n, auto&& logits, auto&& values) {
         for (std::int64_t r0 = 0; r0 < rows; r0 += detail::kRowBlock) {
           detail::with_rows(std::min<std::int64_t>(detail::kRowBlock, rows - r0), [&](auto rc) {
             constexpr int R = decltype(rc)::value;
@@ -523,21 +627,24 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
             if (m_max == 0) return;
             for (int r = 0; r < R; ++r)
               for (std::int64_t e = 0; e < d; ++e) ws.w[r * d + e] = ws.q[(r0 + r) * d + e] * ws.kscale[e];
-            detail::tile_logits<G, R>(ws.w, ws.ky, d, ws.s);
+            logits(rc, ws.w, ws.s);
             for (int r = 0; r < R; ++r) {
               float* s = ws.s + r * G;
               for (int t = 0; t < G; ++t) s[t] *= ws.norms[t];
               if (bias)
                 for (std::int64_t t = 0; t < m[r]; ++t) s[t] += bias[base + t];
-              const std::int64_t mr = st.rescale(r0 + r, s, m[r]) ? m[r] : 0;
+            }
+            st.template rescale_rows<R>(r0, ws.s, G, m);
+            for (int r = 0; r < R; ++r) {
               // u[r][b][t] = p_t * scale(t, b), zero for the tokens the row does not see.
+              const float* s = ws.s + r * G;
               for (std::int64_t b = 0; b < d / G; ++b) {
                 float* u = ws.u + r * d + b * G;
                 const float* vs = ws.vscale + b * G;
-                for (int t = 0; t < G; ++t) u[t] = t < mr ? s[t] * vs[t] : 0.0f;
+                for (int t = 0; t < G; ++t) u[t] = t < m[r] ? s[t] * vs[t] : 0.0f;
               }
             }
-            detail::accumulate_values<G, R>(ws.u, m_max, y, d, st.acc.data() + r0 * d);
+            values(rc, ws.u, m_max, st.acc.data() + r0 * d);
           });
         }
       };
@@ -547,9 +654,17 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
         if (u < c.tiles()) {
           const std::int64_t tile = u;
           if (tile < last_tile) detail::prefetch_tile(c, tile + 1);
-          detail::unpack_tile(reinterpret_cast<const Blk*>(c.key_tile(tile)),
-                              reinterpret_cast<const Blk*>(c.value_tile(tile)), d, cfg.token_norm, ws);
-          fold_tile(tile * G, G, ws.vy);
+          const auto* kb = reinterpret_cast<const Blk*>(c.key_tile(tile));
+          const auto* vb = reinterpret_cast<const Blk*>(c.value_tile(tile));
+          detail::tile_scales(kb, vb, d, cfg.token_norm, ws);
+          fold_tile(
+              tile * G, G,
+              [&](auto rc, const float* w, float* s) {
+                detail::tile_logits_packed<Blk, decltype(rc)::value>(w, kb, d, s);
+              },
+              [&](auto rc, const float* p, std::int64_t m, float* acc) {
+                detail::accumulate_packed<Blk, decltype(rc)::value>(p, m, vb, d, acc);
+              });
           continue;
         }
         // Residual piece: keys transposed into ws.ky (zero past n) with scales 1, values read in
@@ -566,7 +681,15 @@ void packed_attention(const cpu_backend& be, std::span<const PackedCache> heads,
         std::fill(ws.vscale, ws.vscale + d, 1.0f);
         std::copy(c.residual_norms() + r0, c.residual_norms() + r0 + n, ws.norms);
         std::fill(ws.norms + n, ws.norms + G, 0.0f);
-        fold_tile(c.packed_tokens() + r0, n, c.residual_values() + r0 * d);
+        const float* y = c.residual_values() + r0 * d;
+        fold_tile(
+            c.packed_tokens() + r0, n,
+            [&](auto rc, const float* w, float* s) {
+              detail::tile_logits<G, decltype(rc)::value>(w, ws.ky, d, s);
+            },
+            [&](auto rc, const float* p, std::int64_t m, float* acc) {
+              detail::accumulate_values<G, decltype(rc)::value>(p, m, y, d, acc);
+            });
       }
     });
     // Merge each head's chunks in order and write its rows (with the output rotation): on the
