@@ -239,14 +239,18 @@ inline void unpack_offsets(const Block<Bits, Group>& b, float* y) {
   for (int k = 0; k < Group / 16; ++k) _mm512_storeu_ps(y + 16 * k, unpack16(b, table, k));
 }
 
-// loops::tile_logits with the 2 R sums of 32 tokens in registers, one fused product per term.
-template <int G, int R>
-inline void tile_logits(const float* w, const float* ky, std::int64_t d, float* s) {
+// The register-blocked loops of the two kernels below, their operands read by `load`, which
+// sets y0, y1 to the 32 values at (channel c, tokens t0 ..) for the logits and at (token t,
+// channels e0 ..) for the values: from the unpacked floats or from the blocks.
+//   logits: s[r][t0 + j] = sum_c w[r][c] * y(c, t0 + j), c in order, one fused product per term
+template <int G, int R, class Load>
+inline void logits_loop(const float* w, std::int64_t d, float* s, Load&& load) {
   for (int t0 = 0; t0 < G; t0 += 32) {
     __m512 a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (std::int64_t c = 0; c < d; ++c) {
-      const __m512 y0 = _mm512_loadu_ps(ky + c * G + t0), y1 = _mm512_loadu_ps(ky + c * G + t0 + 16);
+      __m512 y0, y1;
+      load(c, t0, y0, y1);
       for (int r = 0; r < R; ++r) {
         const __m512 wr = _mm512_set1_ps(w[r * d + c]);
         a[r][0] = _mm512_fmadd_ps(wr, y0, a[r][0]);
@@ -260,10 +264,9 @@ inline void tile_logits(const float* w, const float* ky, std::int64_t d, float* 
   }
 }
 
-// loops::accumulate_values with the sums of 32 channels of R rows in registers over all tokens.
-template <int G, int R>
-inline void accumulate_values(const float* u, std::int64_t n, const float* y, std::int64_t d,
-                              float* acc) {
+//   values: acc[r][e0 + j] += sum_{t < n} u[r][e0 / G][t] * y(t, e0 + j), t in order
+template <int G, int R, class Load>
+inline void values_loop(const float* u, std::int64_t n, std::int64_t d, float* acc, Load&& load) {
   for (std::int64_t e0 = 0; e0 < d; e0 += 32) {
     const float* ub = u + (e0 / G) * G;
     __m512 a[R][2];
@@ -272,7 +275,8 @@ inline void accumulate_values(const float* u, std::int64_t n, const float* y, st
       a[r][1] = _mm512_loadu_ps(acc + r * d + e0 + 16);
     }
     for (std::int64_t t = 0; t < n; ++t) {
-      const __m512 y0 = _mm512_loadu_ps(y + t * d + e0), y1 = _mm512_loadu_ps(y + t * d + e0 + 16);
+      __m512 y0, y1;
+      load(t, e0, y0, y1);
       for (int r = 0; r < R; ++r) {
         const __m512 p = _mm512_set1_ps(ub[r * d + t]);  // u[r][e0 / G][t]: row stride (d / G) G = d
         a[r][0] = _mm512_fmadd_ps(p, y0, a[r][0]);
@@ -286,60 +290,45 @@ inline void accumulate_values(const float* u, std::int64_t n, const float* y, st
   }
 }
 
-// tile_logits over the packed key blocks kb [d] (block c = channel c), unpacked in registers:
-// the same terms and order as tile_logits over their unpack_offsets, so the same bits.
-template <class Blk, int R>
-inline void tile_logits_packed(const float* w, const Blk* kb, std::int64_t d, float* s) {
-  constexpr int G = Blk::group;
-  for (int t0 = 0; t0 < G; t0 += 32) {
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    for (std::int64_t c = 0; c < d; ++c) {
-      const __m512 table = offset_table(kb[c]);
-      const __m512 y0 = unpack16(kb[c], table, t0 / 16), y1 = unpack16(kb[c], table, t0 / 16 + 1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 wr = _mm512_set1_ps(w[r * d + c]);
-        a[r][0] = _mm512_fmadd_ps(wr, y0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(wr, y1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(s + r * G + t0, a[r][0]);
-      _mm512_storeu_ps(s + r * G + t0 + 16, a[r][1]);
-    }
-  }
+template <int G, int R>
+inline void tile_logits(const float* w, const float* ky, std::int64_t d, float* s) {
+  logits_loop<G, R>(w, d, s, [&](std::int64_t c, int t0, __m512& y0, __m512& y1) {
+    y0 = _mm512_loadu_ps(ky + c * G + t0);
+    y1 = _mm512_loadu_ps(ky + c * G + t0 + 16);
+  });
 }
 
-// accumulate_values over the packed value blocks vb (block t (d / G) + b = channels
-// [b G, b G + G) of token t), unpacked in registers: the same bits as over their unpack_offsets.
+template <int G, int R>
+inline void accumulate_values(const float* u, std::int64_t n, const float* y, std::int64_t d,
+                              float* acc) {
+  values_loop<G, R>(u, n, d, acc, [&](std::int64_t t, std::int64_t e0, __m512& y0, __m512& y1) {
+    y0 = _mm512_loadu_ps(y + t * d + e0);
+    y1 = _mm512_loadu_ps(y + t * d + e0 + 16);
+  });
+}
+
+// Over the blocks, unpacked in registers (unpack_offsets' operations), so the same bits as the
+// float kernels over the unpacked tile. Keys kb [d]: block c = channel c.
+template <class Blk, int R>
+inline void tile_logits_packed(const float* w, const Blk* kb, std::int64_t d, float* s) {
+  logits_loop<Blk::group, R>(w, d, s, [&](std::int64_t c, int t0, __m512& y0, __m512& y1) {
+    const __m512 table = offset_table(kb[c]);
+    y0 = unpack16(kb[c], table, t0 / 16);
+    y1 = unpack16(kb[c], table, t0 / 16 + 1);
+  });
+}
+
+// Values vb: block t (d / G) + b = channels [b G, b G + G) of token t.
 template <class Blk, int R>
 inline void accumulate_packed(const float* u, std::int64_t n, const Blk* vb, std::int64_t d, float* acc) {
   constexpr int G = Blk::group;
-  const std::int64_t per_row = d / G;
-  for (std::int64_t e0 = 0; e0 < d; e0 += 32) {
-    const std::int64_t b = e0 / G;
+  values_loop<G, R>(u, n, d, acc, [&](std::int64_t t, std::int64_t e0, __m512& y0, __m512& y1) {
+    const Blk& blk = vb[t * (d / G) + e0 / G];
+    const __m512 table = offset_table(blk);
     const int k = static_cast<int>(e0 % G) / 16;
-    const float* ub = u + b * G;
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm512_loadu_ps(acc + r * d + e0);
-      a[r][1] = _mm512_loadu_ps(acc + r * d + e0 + 16);
-    }
-    for (std::int64_t t = 0; t < n; ++t) {
-      const Blk& blk = vb[t * per_row + b];
-      const __m512 table = offset_table(blk);
-      const __m512 y0 = unpack16(blk, table, k), y1 = unpack16(blk, table, k + 1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 p = _mm512_set1_ps(ub[r * d + t]);
-        a[r][0] = _mm512_fmadd_ps(p, y0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(p, y1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc + r * d + e0, a[r][0]);
-      _mm512_storeu_ps(acc + r * d + e0 + 16, a[r][1]);
-    }
-  }
+    y0 = unpack16(blk, table, k);
+    y1 = unpack16(blk, table, k + 1);
+  });
 }
 
 // exp_nonpositive on 16 lanes, the same operations.
