@@ -1,11 +1,12 @@
 // PackedCache (residual window) and packed_attention: flush boundaries, token-by-token appends
 // equal one bulk append, rotation + norm scaling are exact without quantization, packed attention
 // equals attention over the dequantized cache, and on outlier channels + low-norm sink tokens
-// int2 with rotation and norm scaling beats KIVI.
+// int2 with rotation and norm scaling beats KIVI. Then the tile kernels alone.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -21,6 +22,7 @@ namespace kvt_quant_packed_attention {
 using Catch::Matchers::Contains;
 using kvpolicy::KVView;
 namespace q = kvpolicy::quant;
+namespace qd = kvpolicy::quant::detail;
 
 namespace {
 
@@ -363,6 +365,142 @@ TEST_CASE("packed attention and PackedCache reject bad arguments with messages",
     CHECK(dk[70] < 2e29f);
   }
   CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
+}
+
+// --- Tile kernels: the unpacking equals block_offsets bit for bit; the logit and value kernels in
+// use (intrinsics where built for AVX-512) agree with the plain loops and a double-precision sum;
+// exp_nonpositive is std::exp within a few ulp.
+
+namespace {
+
+template <class Blk>
+void check_unpack(kvtest::Rng& rng) {
+  constexpr int G = Blk::group;
+  const float zeros[] = {0.0f, -0.0f, 1.0f, 2.0f, 3.0f, -1.0f, 15.0f, -37.0f, 0.5f, 1e9f, -3e38f};
+  for (int trial = 0; trial < 200; ++trial) {
+    Blk b;
+    b.scale = static_cast<float>(rng.uniform(0.01, 3));
+    b.zero = trial < 11 ? zeros[trial] : static_cast<float>(rng.integer(-20, 20));
+    for (auto& byte : b.qs) byte = static_cast<std::uint8_t>(trial == 11 ? 0xFF : rng.integer(0, 255));
+    float ref[G], got[G], plain[G];
+    q::block_offsets(b, ref);
+    qd::unpack_offsets(b, got);
+    qd::loops::unpack_offsets(b, plain);
+    INFO("bits " << Blk::bits << " group " << G << " zero " << b.zero);
+    REQUIRE(std::memcmp(ref, got, sizeof ref) == 0);
+    REQUIRE(std::memcmp(ref, plain, sizeof ref) == 0);
+  }
+}
+
+// Random blocks: codes from random bytes, integer zero points, any scale (the kernels read the
+// codes and zero points only).
+template <class Blk>
+std::vector<Blk> random_blocks(kvtest::Rng& rng, std::int64_t count) {
+  std::vector<Blk> blocks(static_cast<std::size_t>(count));
+  for (Blk& b : blocks) {
+    b.scale = static_cast<float>(rng.uniform(0.01, 2));
+    b.zero = static_cast<float>(rng.integer(-3, 2 * Blk::max_code));
+    for (auto& byte : b.qs) byte = static_cast<std::uint8_t>(rng.integer(0, 255));
+  }
+  return blocks;
+}
+
+// Logits and value sums of R rows over one tile of G tokens with random packed blocks: the
+// kernels in use and the plain loops, over the unpacked floats and over the blocks, against a
+// double-precision sum of the same products; with AVX-512 the packed kernels give the float
+// kernels' bits (the same fused products in the same order).
+template <class Blk, int R>
+void check_kernels(kvtest::Rng& rng, std::int64_t d, std::int64_t n) {
+  constexpr int G = Blk::group;
+  const auto kb = random_blocks<Blk>(rng, d), vb = random_blocks<Blk>(rng, n * (d / G));
+  std::vector<float> ky(static_cast<std::size_t>(d * G)), y(static_cast<std::size_t>(n * d));
+  for (std::int64_t c = 0; c < d; ++c) q::block_offsets(kb[static_cast<std::size_t>(c)], ky.data() + c * G);
+  for (std::size_t i = 0; i < vb.size(); ++i) q::block_offsets(vb[i], y.data() + i * G);
+  const auto w = rng.normals(R * d), u0 = rng.normals(R * d);
+  auto u = u0;  // u[r][b][t] is read for t < n only; poison the rest
+  for (std::int64_t i = 0; i < R * d; ++i)
+    if (i % G >= n) u[static_cast<std::size_t>(i)] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::vector<float>> s(4, std::vector<float>(R * G));
+  qd::tile_logits<G, R>(w.data(), ky.data(), d, s[0].data());
+  qd::loops::tile_logits<G, R>(w.data(), ky.data(), d, s[1].data());
+  qd::tile_logits_packed<Blk, R>(w.data(), kb.data(), d, s[2].data());
+  qd::loops::tile_logits_packed<Blk, R>(w.data(), kb.data(), d, s[3].data());
+  const auto acc0 = rng.normals(R * d);
+  std::vector<std::vector<float>> acc(4, acc0);
+  qd::accumulate_values<G, R>(u.data(), n, y.data(), d, acc[0].data());
+  qd::loops::accumulate_values<G, R>(u.data(), n, y.data(), d, acc[1].data());
+  qd::accumulate_packed<Blk, R>(u.data(), n, vb.data(), d, acc[2].data());
+  qd::loops::accumulate_packed<Blk, R>(u.data(), n, vb.data(), d, acc[3].data());
+  INFO("bits " << Blk::bits << " G " << G << " R " << R << " d " << d << " n " << n);
+  if (KVP_QUANT_AVX512) {
+    REQUIRE(s[2] == s[0]);
+    REQUIRE(acc[2] == acc[0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < G; ++t) {
+      double ref = 0, mag = 0;
+      for (std::int64_t c = 0; c < d; ++c) {
+        const double p = double(w[static_cast<std::size_t>(r * d + c)]) * ky[static_cast<std::size_t>(c * G + t)];
+        ref += p, mag += std::abs(p);
+      }
+      // d rounded additions (and products), each within 2^-24 of the running magnitude.
+      const double tol = 2.0 * static_cast<double>(d) * 0x1p-24 * mag;
+      for (const auto& si : s) REQUIRE(std::abs(si[static_cast<std::size_t>(r * G + t)] - ref) <= tol);
+    }
+    for (std::int64_t e = 0; e < d; ++e) {
+      double ref = acc0[static_cast<std::size_t>(r * d + e)], mag = std::abs(ref);
+      for (std::int64_t t = 0; t < n; ++t) {
+        const double p = double(u[static_cast<std::size_t>(r * d + (e / G) * G + t)]) * y[static_cast<std::size_t>(t * d + e)];
+        ref += p, mag += std::abs(p);
+      }
+      const double tol = 2.0 * static_cast<double>(n + 1) * 0x1p-24 * mag;
+      for (const auto& ai : acc) REQUIRE(std::abs(ai[static_cast<std::size_t>(r * d + e)] - ref) <= tol);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("packed attention: unpacking a block equals block_offsets bit for bit", "[quant]") {
+  kvtest::Rng rng(41);
+  check_unpack<q::Block<2, 32>>(rng);
+  check_unpack<q::Block<2, 64>>(rng);
+  check_unpack<q::Block<2, 128>>(rng);
+  check_unpack<q::Block<4, 32>>(rng);
+  check_unpack<q::Block<4, 64>>(rng);
+  check_unpack<q::Block<4, 128>>(rng);
+}
+
+TEST_CASE("packed attention: logit and value kernels, over floats and over blocks, match a double sum", "[quant]") {
+  kvtest::Rng rng(43);
+  for (std::int64_t n : {32, 7, 1}) {
+    check_kernels<q::Block<2, 32>, 1>(rng, 64, n);
+    check_kernels<q::Block<2, 32>, 2>(rng, 128, n);
+    check_kernels<q::Block<4, 32>, 3>(rng, 96, n);
+    check_kernels<q::Block<2, 32>, 4>(rng, 128, n);
+    check_kernels<q::Block<4, 32>, 4>(rng, 128, n);
+  }
+  check_kernels<q::Block<2, 64>, 4>(rng, 128, 64);
+  check_kernels<q::Block<4, 64>, 3>(rng, 64, 40);
+  check_kernels<q::Block<2, 128>, 4>(rng, 256, 128);
+  check_kernels<q::Block<4, 128>, 1>(rng, 128, 9);
+}
+
+TEST_CASE("packed attention: exp_nonpositive is std::exp within 4 ulp, 0 below -87", "[quant]") {
+  kvtest::Rng rng(47);
+  std::vector<float> xs = {0.0f, -0.0f, -1e-30f, -0.34657359f, -0.6931472f, -1.0f, -10.0f, -86.99f, -87.0f};
+  for (int i = 0; i < 200000; ++i) xs.push_back(-static_cast<float>(rng.uniform(0, 87)));
+  for (int i = 0; i < 2000; ++i) xs.push_back(-static_cast<float>(rng.uniform(0, 1e-3)));
+  for (float x : xs) {
+    const float got = qd::exp_nonpositive(x), ref = std::exp(x);
+    const double ulp = std::ldexp(1.0, std::ilogb(ref) - 23);
+    INFO("x = " << x << " exp " << ref << " got " << got);
+    REQUIRE(std::abs(double(got) - double(ref)) <= 4 * ulp);
+  }
+  for (float x : {-87.01f, -100.0f, -1e30f, -std::numeric_limits<float>::infinity()}) {
+    INFO("x = " << x);
+    REQUIRE(qd::exp_nonpositive(x) == 0.0f);
+  }
 }
 
 }  // namespace kvt_quant_packed_attention
