@@ -1,7 +1,9 @@
 // Host tile encoders on GCC/Clang vector extensions (8 floats: one AVX register, two SSE ones
-// otherwise), giving quantize_block's bytes for key and value tiles (quantizer.hpp) at a fraction
-// of the cost of the per-group code in block.hpp, which remains the fallback and the only path
-// elsewhere (CUDA, other compilers: KVP_QUANT_VECTOR undefined).
+// otherwise; the key encoder takes 16 floats, one AVX-512 register, where AVX-512 is enabled),
+// giving quantize_block's bytes for key and value tiles (quantizer.hpp) at a fraction of the
+// cost of the per-group code in block.hpp, which remains the fallback and the only path
+// elsewhere (CUDA, other compilers: KVP_QUANT_VECTOR undefined). The lane-wise steps are the
+// same at either width, so the argument below holds for both.
 //
 // Why it is exact:
 // - min / max: the same comparisons (keys: per channel in token order, as the reference scans;
@@ -31,6 +33,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvpolicy/quant/block.hpp"
 
@@ -42,20 +45,52 @@ namespace kvpolicy::quant::detail {
 typedef float qv8f __attribute__((vector_size(32)));
 typedef std::int32_t qv8i __attribute__((vector_size(32)));
 typedef std::uint32_t qv8u __attribute__((vector_size(32)));
+// 16 lanes: one AVX-512 register. The lane-wise functions below take either width (F: the float
+// vector; QV<F> names its int and unsigned twins); the key encoder runs on 16 lanes where
+// AVX-512 is enabled (half the instructions per channel), 8 otherwise.
+typedef float qv16f __attribute__((vector_size(64)));
+typedef std::int32_t qv16i __attribute__((vector_size(64)));
+typedef std::uint32_t qv16u __attribute__((vector_size(64)));
 
-inline void qload(qv8f& v, const float* p) { __builtin_memcpy(&v, p, sizeof v); }
+template <class F>
+struct QV;
+template <>
+struct QV<qv8f> {
+  using i = qv8i;
+  using u = qv8u;
+  static constexpr int lanes = 8;
+};
+template <>
+struct QV<qv16f> {
+  using i = qv16i;
+  using u = qv16u;
+  static constexpr int lanes = 16;
+};
 
-inline void qabs(qv8f& a, const qv8f& x) { a = (qv8f)((qv8u)x & 0x7fffffffu); }
-
-// a <- |a| with the sign of s.
-inline void qcopysign(qv8f& a, const qv8f& s) {
-  a = (qv8f)(((qv8u)a & 0x7fffffffu) | ((qv8u)s & 0x80000000u));
+template <class F>
+inline void qload(F& v, const float* p) {
+  __builtin_memcpy(&v, p, sizeof v);
 }
 
-inline bool any_lane(const qv8i& m) {
-  std::uint64_t w[4];
+template <class F>
+inline void qabs(F& a, const F& x) {
+  a = (F)((typename QV<F>::u)x & 0x7fffffffu);
+}
+
+// a <- |a| with the sign of s.
+template <class F>
+inline void qcopysign(F& a, const F& s) {
+  using U = typename QV<F>::u;
+  a = (F)(((U)a & 0x7fffffffu) | ((U)s & 0x80000000u));
+}
+
+template <class I>
+inline bool any_lane(const I& m) {
+  std::uint64_t w[sizeof(I) / 8];
   __builtin_memcpy(w, &m, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3]) != 0;
+  std::uint64_t r = 0;
+  for (std::uint64_t x : w) r |= x;
+  return r != 0;
 }
 
 enum class LaneOp { min, max, bit_or };
@@ -85,35 +120,38 @@ inline void reduce_lanes8(const V* a, V& r) {
 }
 
 // x <- round_half_away(x) lane by lane, bit for bit (signed zeros, infinities and NaN included).
-inline void round_half_away8(qv8f& x) {
-  qv8f a;
+template <class F>
+inline void round_half_away8(F& x) {
+  F a;
   qabs(a, x);
-  const qv8i small = a < 8388608.0f;  // 2^23: below, a fraction may remain; NaN is not
-  qv8f t = __builtin_convertvector(__builtin_convertvector(small ? x : 0.0f, qv8i), qv8f);
+  const typename QV<F>::i small = a < 8388608.0f;  // 2^23: below, a fraction may remain; NaN is not
+  F t = __builtin_convertvector(__builtin_convertvector(small ? x : 0.0f, typename QV<F>::i), F);
   t = small ? t : x;
   qcopysign(t, x);  // truncf(-0.3) = -0
-  qv8f d;
+  F d;
   qabs(d, x - t);
-  qv8f up = d >= 0.5f ? 1.0f : 0.0f;
+  F up = d >= 0.5f ? 1.0f : 0.0f;
   qcopysign(up, x);
   x = t + up;
 }
 
 // quant_range(lo[j], hi[j], max_code) for the 8 lanes.
-inline void quant_range8(const qv8f& lo, const qv8f& hi, int max_code, qv8f& scale, qv8f& zero) {
+template <class F>
+inline void quant_range8(const F& lo, const F& hi, int max_code, F& scale, F& zero) {
+  using I = typename QV<F>::i;
   const float m = static_cast<float>(max_code);
   const QuantRange r0 = quant_range(0.0f, 0.0f, max_code);
-  const qv8f s = hi / m - lo / m;
-  qv8f z = -lo / s;
+  const F s = hi / m - lo / m;
+  F z = -lo / s;
   round_half_away8(z);
-  qv8f az;
+  F az;
   qabs(az, z);
-  const qv8i ok = (lo != hi) & (s > 0.0f) & (az <= FLT_MAX);
-  const qv8f c = lo != 0.0f ? lo : hi;
-  qv8f cs;
+  const I ok = (lo != hi) & (s > 0.0f) & (az <= FLT_MAX);
+  const F c = lo != 0.0f ? lo : hi;
+  F cs;
   qabs(cs, c);
-  const qv8f cz = c < 0.0f ? 1.0f : 0.0f;
-  const qv8i both0 = (lo == 0.0f) & (hi == 0.0f);
+  const F cz = c < 0.0f ? 1.0f : 0.0f;
+  const I both0 = (lo == 0.0f) & (hi == 0.0f);
   scale = both0 ? r0.scale : (ok ? s : cs);
   zero = both0 ? r0.zero : (ok ? z : cz);
 }
@@ -123,17 +161,18 @@ inline void quant_range8(const qv8f& lo, const qv8f& hi, int max_code, qv8f& sca
 // are exact or within the 2^-25); the zero point as an int32; bad |= lanes where the
 // reciprocal is not normal or b >= 2^18 (otherwise |zero| <= 2^18 + 1, so the integer
 // arithmetic below is exact).
-inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, const qv8f& zero,
-                           qv8f& inv, qv8f& limit, qv8i& izero, qv8i& bad) {
+template <class F, class I>
+inline void code_constants(const F& lo, const F& hi, const F& scale, const F& zero, F& inv,
+                           F& limit, I& izero, I& bad) {
   inv = 1.0f / scale;
-  qv8f al, ah;
+  F al, ah;
   qabs(al, lo);
   qabs(ah, hi);
-  const qv8f bound = (al > ah ? al : ah) * inv;
+  const F bound = (al > ah ? al : ah) * inv;
   limit = 0.5f - bound * 0x1p-21f;
-  const qv8i ok = (scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f);
+  const I ok = (scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f);
   bad |= ~ok;
-  izero = __builtin_convertvector(ok ? zero : 0.0f, qv8i);
+  izero = __builtin_convertvector(ok ? zero : 0.0f, I);
 }
 
 // Codes of v = x * inv (+ zero, clamped to [0, m]); near |= lanes that may differ from
@@ -141,16 +180,17 @@ inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, co
 // 1.5 * 2^23 (exact for |v| < 2^22; ties are flagged anyway), so |v - r| <= 1/2 and v is
 // 1/2 - |v - r| from the nearest half-integer. FMA contraction (GCC fuses x * inv into both
 // uses) replaces v by the exact product, which is within the same error budget.
-inline void codes8(const qv8f& x, const qv8f& inv, const qv8f& limit, const qv8i& izero,
-                   std::int32_t m, qv8u& code, qv8i& near) {
-  const qv8f v = x * inv;
-  const qv8f r = (v + 12582912.0f) - 12582912.0f;
-  qv8f e;
+template <class F, class I, class U>
+inline void codes8(const F& x, const F& inv, const F& limit, const I& izero, std::int32_t m,
+                   U& code, I& near) {
+  const F v = x * inv;
+  const F r = (v + 12582912.0f) - 12582912.0f;
+  F e;
   qabs(e, v - r);
   near |= e >= limit;
-  qv8i c = __builtin_convertvector(r, qv8i) + izero;  // the reference's float sum: exact
+  I c = __builtin_convertvector(r, I) + izero;  // the reference's float sum: exact
   c = c > 0 ? c : 0;
-  code = (qv8u)(c < m ? c : m);
+  code = (U)(c < m ? c : m);
 }
 
 // Value groups 8 at a time: blocks[0..8) = quantize_group of x[0 .. 8 G) (Blk::group = G
@@ -256,58 +296,120 @@ inline bool encode_value_groups8(const float* x, Blk* blocks) {
   return true;
 }
 
-// Key blocks of channels [0, nv * 8) of rows x [n][d] (1 <= n <= G): blocks[j] =
-// quantize_block(x + j, d, n). Returns false (codes unwritten) where a lane needs the exact path.
+// 16 key blocks of a group-32 format (channels j < 16 in lanes: scale, zero point, the
+// W = 2 (int2) or 4 (int4) code words) written as whole vectors: the blocks are contiguous,
+// 2 + W words each, so the 16 x (2 + W) words are transposed in registers (interleave two
+// fields, then place the pairs) and stored as 2 + W vectors, where a lane-by-lane write takes an
+// extract and a store per word (2 + W per channel).
 template <class Blk>
+inline void store_key_blocks16(const qv16f& scale, const qv16f& zero, const qv16u* words,
+                               Blk* blocks) {
+  constexpr int W = Blk::group * Blk::bits / 32;
+  static_assert(Blk::group == 32 && (W == 2 || W == 4) && sizeof(Blk) == 4 * (2 + W));
+  // lo / hi: lanes 2c, 2c + 1 = x[c], y[c] for channels c < 8 / c >= 8.
+  const auto lo = [](const qv16u& x, const qv16u& y) {
+    return __builtin_shufflevector(x, y, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  };
+  const auto hi = [](const qv16u& x, const qv16u& y) {
+    return __builtin_shufflevector(x, y, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  };
+  const qv16u s = (qv16u)scale, z = (qv16u)zero;
+  qv16u out[2 + W];
+  if constexpr (W == 2) {  // block c = words 4c .. 4c + 3: pair c of (s, z), then of (w0, w1)
+    const qv16u sz[2] = {lo(s, z), hi(s, z)}, c[2] = {lo(words[0], words[1]), hi(words[0], words[1])};
+    for (int h = 0; h < 2; ++h) {
+      out[2 * h] = __builtin_shufflevector(sz[h], c[h], 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+      out[2 * h + 1] = __builtin_shufflevector(sz[h], c[h], 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+    }
+  } else {  // block c = words 6c .. 6c + 5: pair c of (s, z), (w0, w1), (w2, w3)
+    const qv16u sz[2] = {lo(s, z), hi(s, z)}, a[2] = {lo(words[0], words[1]), hi(words[0], words[1])},
+                b[2] = {lo(words[2], words[3]), hi(words[2], words[3])};
+    for (int h = 0; h < 2; ++h) {  // 48 words per half, 3 vectors; (s, z) and (w0, w1), then (w2, w3)
+      out[3 * h] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 0, 1, 16, 17, 0, 0, 2, 3, 18, 19, 0, 0, 4, 5, 20, 21), b[h],
+                                           0, 1, 2, 3, 16, 17, 6, 7, 8, 9, 18, 19, 12, 13, 14, 15);
+      out[3 * h + 1] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 0, 0, 6, 7, 22, 23, 0, 0, 8, 9, 24, 25, 0, 0, 10, 11), b[h],
+                                               20, 21, 2, 3, 4, 5, 22, 23, 8, 9, 10, 11, 24, 25, 14, 15);
+      out[3 * h + 2] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 26, 27, 0, 0, 12, 13, 28, 29, 0, 0, 14, 15, 30, 31, 0, 0), b[h],
+                                               0, 1, 26, 27, 4, 5, 6, 7, 28, 29, 10, 11, 12, 13, 30, 31);
+    }
+  }
+  __builtin_memcpy(static_cast<void*>(blocks), out, sizeof out);
+}
+
+// Key blocks of channels [0, nv * L) of rows x [n][d] (1 <= n <= G), L = the lanes of F (8 or
+// 16): blocks[j] = quantize_block(x + j, d, n). Returns false (blocks unwritten) where a lane
+// needs the exact path. nv <= 64 / L. Everything is computed before anything is written, so
+// that 16-lane group-32 blocks are stored whole (store_key_blocks16).
+template <class Blk, class F = qv8f>
 inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, Blk* blocks) {
-  constexpr int G = Blk::group, M = Blk::max_code, B = Blk::bits, W = G * B / 32, kV = 8;
-  qv8f lo[kV], hi[kV], inv[kV], limit[kV];
-  qv8i izero[kV];
+  using I = typename QV<F>::i;
+  using U = typename QV<F>::u;
+  constexpr int G = Blk::group, M = Blk::max_code, B = Blk::bits, W = G * B / 32, L = QV<F>::lanes;
+  constexpr int kV = 64 / L;
+  F lo[kV], hi[kV], inv[kV], limit[kV], scale[kV], zero[kV];
+  I izero[kV];
   for (int v = 0; v < nv; ++v) {
-    qload(lo[v], x + 8 * v);
+    qload(lo[v], x + L * v);
     hi[v] = lo[v];
   }
   for (int t = 1; t < n; ++t)  // in token order per channel, as quantize_block (ties of zeros)
     for (int v = 0; v < nv; ++v) {
-      qv8f e;
-      qload(e, x + t * d + 8 * v);
+      F e;
+      qload(e, x + t * d + L * v);
       lane_op<LaneOp::min>(lo[v], e);
       lane_op<LaneOp::max>(hi[v], e);
     }
-  qv8i bad = {};
+  I bad = {};
   for (int v = 0; v < nv; ++v) {
-    qv8f scale, zero;
-    quant_range8(lo[v], hi[v], M, scale, zero);
-    code_constants(lo[v], hi[v], scale, zero, inv[v], limit[v], izero[v], bad);
-    float sc[8], ze[8];
-    __builtin_memcpy(sc, &scale, sizeof sc);
-    __builtin_memcpy(ze, &zero, sizeof ze);
-    for (int j = 0; j < 8; ++j) {
-      blocks[8 * v + j].scale = sc[j];
-      blocks[8 * v + j].zero = ze[j];
-    }
+    quant_range8(lo[v], hi[v], M, scale[v], zero[v]);
+    code_constants(lo[v], hi[v], scale[v], zero[v], inv[v], limit[v], izero[v], bad);
   }
   if (any_lane(bad)) return false;
   // Token t of a channel sits at bit B * t of its qs: word (B t) / 32, shifted by (B t) % 32.
   // Channels outer, then words: a vector's reciprocal, zero point and word stay in registers.
+  // A whole tile (n = G, the packed cache's case) runs with constant bounds and shifts.
   constexpr int per_word = 32 / B;
-  qv8i near = {};
-  for (int v = 0; v < nv; ++v)
-    for (int w = 0; w < W; ++w) {
-      qv8u acc = {};
-      const int t0 = w * per_word, t1 = n < t0 + per_word ? n : t0 + per_word;
-      for (int t = t0; t < t1; ++t) {
-        qv8f e;
-        qload(e, x + t * d + 8 * v);
-        qv8u c;
-        codes8(e, inv[v], limit[v], izero[v], M, c, near);
-        acc |= c << static_cast<std::uint32_t>(B * (t - t0));
+  I near = {};
+  U words[kV][W];
+  const auto code_words = [&](auto full) {
+    for (int v = 0; v < nv; ++v)
+#pragma GCC unroll 4
+      for (int w = 0; w < W; ++w) {
+        U acc = {};
+        const int t0 = w * per_word;
+        const int t1 = decltype(full)::value ? t0 + per_word : (n < t0 + per_word ? n : t0 + per_word);
+#pragma GCC unroll 16
+        for (int t = t0; t < t1; ++t) {
+          F e;
+          qload(e, x + t * d + L * v);
+          U c;
+          codes8(e, inv[v], limit[v], izero[v], M, c, near);
+          acc |= c << static_cast<std::uint32_t>(B * (t - t0));
+        }
+        words[v][w] = acc;
       }
-      std::uint32_t out[8];
-      __builtin_memcpy(out, &acc, sizeof out);
-      for (int j = 0; j < 8; ++j) __builtin_memcpy(blocks[8 * v + j].qs + 4 * w, &out[j], 4);
-    }
+  };
+  if (n == G) code_words(std::true_type{});
+  else code_words(std::false_type{});
   if (any_lane(near)) return false;
+  for (int v = 0; v < nv; ++v) {
+    if constexpr (L == 16 && G == 32) {
+      store_key_blocks16(scale[v], zero[v], words[v], blocks + L * v);
+    } else {
+      float sc[L], ze[L];
+      __builtin_memcpy(sc, &scale[v], sizeof sc);
+      __builtin_memcpy(ze, &zero[v], sizeof ze);
+      for (int j = 0; j < L; ++j) {
+        blocks[L * v + j].scale = sc[j];
+        blocks[L * v + j].zero = ze[j];
+      }
+      for (int w = 0; w < W; ++w) {
+        std::uint32_t out[L];
+        __builtin_memcpy(out, &words[v][w], sizeof out);
+        for (int j = 0; j < L; ++j) __builtin_memcpy(blocks[L * v + j].qs + 4 * w, &out[j], 4);
+      }
+    }
+  }
   return true;
 }
 
