@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include <kvpolicy/cpu/attention.hpp>
@@ -363,6 +364,25 @@ TEST_CASE("packed attention and PackedCache reject bad arguments with messages",
     CHECK(dk[70] < 2e29f);
   }
   CHECK_THROWS_WITH(q::PackedCache().append(k.data(), k.data(), 1), Contains("default-constructed"));
+}
+
+TEST_CASE("PackedCache::append finds the first bad row inside a checked block of rows", "[quant]") {
+  // append_rows checks blocks of rows at once and then looks for the first bad one: a bad value
+  // row in the second segment (rows 320..), inside its second block of 8, one in the first row of
+  // a block, and one in the last row of the input.
+  const std::int64_t d = 128, T = 400;
+  kvtest::Rng rng(41);
+  const auto k = rng.normals(T * d), v = rng.normals(T * d);
+  for (const std::int64_t bad : {std::int64_t{333}, std::int64_t{8}, T - 1}) {
+    INFO("bad token " << bad);
+    auto vb = v;
+    vb[static_cast<std::size_t>(bad * d + 17)] = NAN;
+    q::PackedCache c(q::QuantConfig{}, d), ref(q::QuantConfig{}, d);
+    CHECK_THROWS_WITH(c.append(k.data(), vb.data(), T),
+                      Contains("token " + std::to_string(bad) + " has a non-finite value element at dim 17"));
+    ref.append(k.data(), v.data(), bad);
+    CHECK(same_state(c, ref));  // exactly the rows before it were appended
+  }
 }
 
 }  // namespace kvt_quant_packed_attention
