@@ -344,6 +344,12 @@ void encode_value_tile(const float* v, int n, std::int64_t d, std::byte* out) {
   const std::int64_t count = n * per_row;  // block i: values [i G, (i + 1) G) of the rows [n][d]
   std::int64_t i0 = 0;
 #if defined(KVP_QUANT_VECTOR)
+#if defined(__AVX512F__)
+  if constexpr (Blk::group == 32)
+    for (; i0 + 16 <= count; i0 += 16)
+      if (!detail::encode_value_groups16(v + i0 * Blk::group, blocks + i0))
+        for (int i = 0; i < 16; ++i) quantize_group(v + (i0 + i) * Blk::group, blocks[i0 + i]);
+#endif
   for (; i0 + 8 <= count; i0 += 8)
     if (!detail::encode_value_groups8(v + i0 * Blk::group, blocks + i0))
       for (int i = 0; i < 8; ++i) quantize_group(v + (i0 + i) * Blk::group, blocks[i0 + i]);

@@ -193,6 +193,135 @@ inline void codes8(const F& x, const F& inv, const F& limit, const I& izero, std
   code = (U)(c < m ? c : m);
 }
 
+// reduce_lanes8's rounds on 16-lane vectors (pairs of lanes, of pairs, of quads, of halves).
+// With all four rounds (a[0..16)) lane k of r is Op over the lanes of a[k]; with the first three
+// (a[0..8)) lane 8 h + k is Op over lanes [8 h, 8 h + 8) of a[k].
+template <LaneOp Op, int Rounds, class V>
+inline void reduce_lanes16(const V* a, V& r) {
+  static_assert(Rounds == 3 || Rounds == 4);
+  V b[8], c[4], e[2];
+  for (int p = 0; p < 8 && p < (Rounds == 4 ? 8 : 4); ++p) {
+    b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    lane_op<Op>(b[p], __builtin_shufflevector(a[2 * p], a[2 * p + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31));
+  }
+  for (int p = 0; p < (Rounds == 4 ? 4 : 2); ++p) {
+    c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    lane_op<Op>(c[p], __builtin_shufflevector(b[2 * p], b[2 * p + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31));
+  }
+  for (int p = 0; p < (Rounds == 4 ? 2 : 1); ++p) {
+    e[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    lane_op<Op>(e[p], __builtin_shufflevector(c[2 * p], c[2 * p + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31));
+  }
+  if constexpr (Rounds == 3) {
+    r = e[0];
+  } else {
+    r = __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    lane_op<Op>(r, __builtin_shufflevector(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  }
+}
+
+// encode_value_groups8 for 16 groups of 32 values on 16-lane vectors (AVX-512): the same steps
+// lane for lane (so the same bytes, and the same exact-path rule per batch), half the
+// instructions per value. Two vectors per group; a vector of 16 codes is one 32-bit word of
+// int2 codes, two words (lanes 0-7, 8-15) of int4 codes, so the words come from four or three
+// rounds of lane ORs.
+template <class Blk>
+inline bool encode_value_groups16(const float* x, Blk* blocks) {
+  static_assert(Blk::group == 32, "two 16-lane vectors per group");
+  constexpr int G = 32, M = Blk::max_code, B = Blk::bits, W = G * B / 32;
+  qv16f gl[16], gh[16], sum = {};
+  for (int g = 0; g < 16; ++g) {
+    qv16f l, h, v;
+    qload(l, x + g * G);
+    qload(v, x + g * G + 16);
+    h = l;
+    sum += l;
+    lane_op<LaneOp::min>(l, v);
+    lane_op<LaneOp::max>(h, v);
+    sum += v;
+    gl[g] = l;
+    gh[g] = h;
+  }
+  qv16f asum;
+  qabs(asum, sum);
+  if (any_lane(~(asum <= FLT_MAX))) return false;  // NaN, infinity, overflow: exact path
+  qv16f lo, hi;
+  reduce_lanes16<LaneOp::min, 4>(gl, lo);
+  reduce_lanes16<LaneOp::max, 4>(gh, hi);
+  if (any_lane((lo == 0.0f) | (hi == 0.0f))) {  // group_min_max's sign of a zero result
+    float l[16], h[16];
+    __builtin_memcpy(l, &lo, sizeof l);
+    __builtin_memcpy(h, &hi, sizeof h);
+    for (int g = 0; g < 16; ++g)
+      if (l[g] == 0.0f || h[g] == 0.0f)
+        for (int i = 0; i < G; ++i)
+          if (x[g * G + i] == 0.0f) {
+            if (l[g] == 0.0f) l[g] = x[g * G + i];
+            if (h[g] == 0.0f) h[g] = x[g * G + i];
+            break;
+          }
+    __builtin_memcpy(&lo, l, sizeof l);
+    __builtin_memcpy(&hi, h, sizeof h);
+  }
+  qv16f scale, zero, inv, limit;
+  qv16i izero, bad = {};
+  quant_range8(lo, hi, M, scale, zero);
+  code_constants(lo, hi, scale, zero, inv, limit, izero, bad);
+  if (any_lane(bad)) return false;
+  float sc[16], ze[16], iv[16], li[16];
+  std::int32_t iz[16];
+  __builtin_memcpy(sc, &scale, sizeof sc);
+  __builtin_memcpy(ze, &zero, sizeof ze);
+  __builtin_memcpy(iv, &inv, sizeof iv);
+  __builtin_memcpy(li, &limit, sizeof li);
+  __builtin_memcpy(iz, &izero, sizeof iz);
+  // Value 16 k + j of a group: bit B (16 k + j) of its qs, i.e. word k, bit 2 j (int2), or word
+  // 2 k + j / 8, bit 4 (j % 8) (int4).
+  qv16u lane_shift;
+  for (int j = 0; j < 16; ++j) lane_shift[j] = static_cast<std::uint32_t>((B * j) % 32);
+  qv16u codes[32];  // [group][vector]
+  qv16i near = {};
+  for (int g = 0; g < 16; ++g) {
+    const qv16f ivg = iv[g] + qv16f{}, lig = li[g] + qv16f{};
+    const qv16i izg = iz[g] + qv16i{};
+    for (int k = 0; k < 2; ++k) {
+      qv16f v;
+      qload(v, x + g * G + 16 * k);
+      qv16u c;
+      codes8(v, ivg, lig, izg, M, c, near);
+      codes[2 * g + k] = c << lane_shift;
+    }
+  }
+  if (any_lane(near)) return false;
+  for (int g = 0; g < 16; ++g) {
+    blocks[g].scale = sc[g];
+    blocks[g].zero = ze[g];
+  }
+  std::uint32_t out[16];
+  if constexpr (B == 2) {  // lane j of batch q: word (16 q + j) % 2 of group (16 q + j) / 2
+    for (int q = 0; q < 2; ++q) {
+      qv16u r;
+      reduce_lanes16<LaneOp::bit_or, 4>(codes + 16 * q, r);
+      __builtin_memcpy(out, &r, sizeof out);
+      for (int j = 0; j < 16; ++j) {
+        const int wi = 16 * q + j;
+        __builtin_memcpy(blocks[wi / W].qs + 4 * (wi % W), &out[j], 4);
+      }
+    }
+  } else {  // lane 8 h + j of batch q: half h of vector 8 q + j = word 2 ((8 q + j) % 2) + h
+    for (int q = 0; q < 4; ++q) {
+      qv16u r;
+      reduce_lanes16<LaneOp::bit_or, 3>(codes + 8 * q, r);
+      __builtin_memcpy(out, &r, sizeof out);
+      for (int j = 0; j < 16; ++j) {
+        const int vi = 8 * q + j % 8, h = j / 8;
+        __builtin_memcpy(blocks[vi / 2].qs + 4 * (2 * (vi % 2) + h), &out[j], 4);
+      }
+    }
+  }
+  return true;
+}
+
 // Value groups 8 at a time: blocks[0..8) = quantize_group of x[0 .. 8 G) (Blk::group = G
 // contiguous values each). Returns false where a lane needs the exact path (quantize_group),
 // with blocks partly written.
