@@ -50,7 +50,7 @@ TEST_CASE("hadamard equals the Sylvester matrix / sqrt(n) and is orthonormal", "
 }
 
 TEST_CASE("hadamard is its own inverse, preserves norms and matches its per-butterfly form", "[quant]") {
-  const std::int64_t n = GENERATE(64, 128, 256);
+  const std::int64_t n = GENERATE(32, 64, 128, 256);
   kvtest::Rng rng(static_cast<std::uint64_t>(n));
   auto x = rng.normals(3 * n);
   auto y = x;

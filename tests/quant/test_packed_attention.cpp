@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include <kvpolicy/cpu/attention.hpp>
@@ -500,6 +501,25 @@ TEST_CASE("packed attention: exp_nonpositive is std::exp within 4 ulp, 0 below -
   for (float x : {-87.01f, -100.0f, -1e30f, -std::numeric_limits<float>::infinity()}) {
     INFO("x = " << x);
     REQUIRE(qd::exp_nonpositive(x) == 0.0f);
+  }
+}
+
+TEST_CASE("PackedCache::append finds the first bad row inside a checked block of rows", "[quant]") {
+  // append_rows checks blocks of rows at once and then looks for the first bad one: a bad value
+  // row in the second segment (rows 320..), inside its second block of 8, one in the first row of
+  // a block, and one in the last row of the input.
+  const std::int64_t d = 128, T = 400;
+  kvtest::Rng rng(41);
+  const auto k = rng.normals(T * d), v = rng.normals(T * d);
+  for (const std::int64_t bad : {std::int64_t{333}, std::int64_t{8}, T - 1}) {
+    INFO("bad token " << bad);
+    auto vb = v;
+    vb[static_cast<std::size_t>(bad * d + 17)] = NAN;
+    q::PackedCache c(q::QuantConfig{}, d), ref(q::QuantConfig{}, d);
+    CHECK_THROWS_WITH(c.append(k.data(), vb.data(), T),
+                      Contains("token " + std::to_string(bad) + " has a non-finite value element at dim 17"));
+    ref.append(k.data(), v.data(), bad);
+    CHECK(same_state(c, ref));  // exactly the rows before it were appended
   }
 }
 

@@ -169,6 +169,16 @@ void check_fast_codec(kvtest::Rng& rng) {
         REQUIRE(y[i] == q::dequantize_value(q::block_code(ref, i), ref.scale, ref.zero));
       }
     }
+    // Values: the tile encoder (batches of 16 and 8 groups where vectorized, then single groups)
+    // on rows [n][dv], dv = the multiple of G below d: n dv / G groups, 128 / 108 / 4 at G = 32.
+    const std::int64_t dv = d / G * G;
+    for (int n : {G, G - 5, 1}) {
+      std::vector<Blk> fast(static_cast<std::size_t>(dv)), ref(fast.size());  // a tile: G rows
+      q::encode_value_tile<Blk>(x.data(), n, dv, reinterpret_cast<std::byte*>(fast.data()));
+      const std::int64_t groups = n * dv / G;
+      for (std::int64_t g = 0; g < groups; ++g) q::quantize_block(x.data() + g * G, 1, G, ref[static_cast<std::size_t>(g)]);
+      REQUIRE(std::memcmp(fast.data(), ref.data(), static_cast<std::size_t>(groups) * sizeof(Blk)) == 0);
+    }
     // Keys: channels of a tile of n tokens (rows [n][d]).
     for (int n : {G, G - 5, 1}) {
       std::vector<Blk> fast(static_cast<std::size_t>(d)), ref(fast.size());

