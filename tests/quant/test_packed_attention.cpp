@@ -4,6 +4,7 @@
 // int2 with rotation and norm scaling beats KIVI. Then the tile kernels alone.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -196,9 +197,13 @@ TEST_CASE("packed attention equals attention over the dequantized cache", "[quan
   const int group = GENERATE(32, 64);
   const bool transform = GENERATE(true, false);  // int2/int4 vs kivi
   const bool causal = GENERATE(false, true);
-  const std::int64_t Hkv = 2, g = 3, d = 128, cap = 300, nq = 5;
+  // g * nq query rows go through the kernels 4 at a time: 15 rows end in a block of 3, 9 in a
+  // block of 1, 210 in a block of 2. With 70 causal queries, the rows of one block see different
+  // numbers of a tile's tokens (some none), and blocks cross from one query head to the next.
+  const std::int64_t nq = GENERATE(5, 3, 70);
+  const std::int64_t Hkv = 2, g = 3, d = 128, cap = 300;
   const q::QuantConfig c{bits, group, 40, transform, transform};
-  kvtest::Rng rng(static_cast<std::uint64_t>(bits * 100 + group + 2 * transform + causal));
+  kvtest::Rng rng(static_cast<std::uint64_t>(bits * 100 + group + 2 * transform + causal + 7 * nq));
   auto k = rng.normals(Hkv * cap * d, 2.0f), v = rng.normals(Hkv * cap * d), qs = rng.normals(Hkv * g * nq * d);
   std::vector<float> bias(static_cast<std::size_t>(Hkv * cap));
   for (auto& b : bias) b = std::log(static_cast<float>(rng.integer(1, 5)));
@@ -216,7 +221,7 @@ TEST_CASE("packed attention equals attention over the dequantized cache", "[quan
   // O(10) (|k| ~ 2 sqrt(d)), so each differs by ~1e-6 relative -> ~1e-5 absolute; outputs are
   // O(1). 3e-5 of the output scale leaves headroom but is far below one quantization step (~0.3).
   INFO("bits " << bits << " group " << group << " rotate+norm " << transform << " causal " << causal
-               << ": max |out - ref| = " << max_diff(out, ref) << ", max |ref| = " << max_abs(ref));
+               << " nq " << nq << ": max |out - ref| = " << max_diff(out, ref) << ", max |ref| = " << max_abs(ref));
   CHECK(max_diff(out, ref) < 3e-5 * std::max(1.0, max_abs(ref)));
   // Thread count does not change a bit.
   CHECK(run_packed(caches, qs, Hkv * g, nq, d, causal, bias.data(), cap, 1) == out);
@@ -502,6 +507,61 @@ TEST_CASE("packed attention: exp_nonpositive is std::exp within 4 ulp, 0 below -
     INFO("x = " << x);
     REQUIRE(qd::exp_nonpositive(x) == 0.0f);
   }
+  // Outside the domain: a NaN passes through; a positive x (only after a NaN logit) gives e^0.
+  REQUIRE(std::isnan(qd::exp_nonpositive(std::numeric_limits<float>::quiet_NaN())));
+  for (float x : {1e-30f, 1.0f, 100.0f, 3e38f, std::numeric_limits<float>::infinity()})
+    REQUIRE(qd::exp_nonpositive(x) == 1.0f);
+#if KVP_QUANT_AVX512
+  // The 16-lane form: the same bounds, lane by lane (x padded to whole vectors with 0).
+  xs.insert(xs.end(), {-87.01f, -100.0f, -std::numeric_limits<float>::infinity(),
+                       std::numeric_limits<float>::quiet_NaN(), 5.0f});
+  while (xs.size() % 16) xs.push_back(0.0f);
+  for (std::size_t i = 0; i < xs.size(); i += 16) {
+    alignas(64) float got[16];
+    _mm512_store_ps(got, qd::avx512::exp_nonpositive(_mm512_loadu_ps(xs.data() + i)));
+    for (std::size_t j = 0; j < 16; ++j) {
+      const float x = xs[i + j];
+      INFO("lane x = " << x << " got " << got[j]);
+      if (std::isnan(x)) {
+        REQUIRE(std::isnan(got[j]));
+      } else if (x < -87.0f) {
+        REQUIRE(got[j] == 0.0f);
+      } else if (x > 0.0f) {
+        REQUIRE(got[j] == 1.0f);
+      } else {
+        const float ref = std::exp(x);
+        REQUIRE(std::abs(double(got[j]) - double(ref)) <= 4 * std::ldexp(1.0, std::ilogb(ref) - 23));
+      }
+    }
+  }
+#endif
+}
+
+TEST_CASE("packed attention: the softmax pieces in use match the plain loops and std::exp", "[quant]") {
+  // tile_max and tile_exp_sum read whole chunks of 16 floats: the values past n are poisoned.
+  kvtest::Rng rng(53);
+  for (std::int64_t n : {1, 15, 16, 17, 31, 32, 33}) {
+    std::vector<float> s(static_cast<std::size_t>((n + 15) / 16 * 16), 1e30f);
+    for (std::int64_t t = 0; t < n; ++t) s[static_cast<std::size_t>(t)] = static_cast<float>(rng.uniform(-30, 30));
+    INFO("n = " << n);
+    const float mx = qd::tile_max(s.data(), n);
+    REQUIRE(mx == *std::max_element(s.begin(), s.begin() + n));
+    REQUIRE(mx == qd::loops::tile_max(s.data(), n));
+    for (const bool in_use : {true, false}) {
+      auto e = s;
+      const float sum = in_use ? qd::tile_exp_sum(e.data(), n, mx) : qd::loops::tile_exp_sum(e.data(), n, mx);
+      double ref_sum = 0, mag = 0;
+      for (std::int64_t t = 0; t < n; ++t) {
+        const float ref = std::exp(s[static_cast<std::size_t>(t)] - mx);
+        INFO("in use " << in_use << " t " << t);
+        REQUIRE(std::abs(double(e[static_cast<std::size_t>(t)]) - ref) <= 4 * std::ldexp(1.0, std::ilogb(ref) - 23));
+        ref_sum += e[static_cast<std::size_t>(t)], mag += std::abs(e[static_cast<std::size_t>(t)]);
+      }
+      // the terms summed in 16 lanes and then pairwise: n rounded additions at most
+      REQUIRE(std::abs(double(sum) - ref_sum) <= static_cast<double>(n) * 0x1p-24 * mag);
+    }
+  }
+  REQUIRE(qd::tile_max(nullptr, 0) == -std::numeric_limits<float>::infinity());
 }
 
 TEST_CASE("PackedCache::append finds the first bad row inside a checked block of rows", "[quant]") {

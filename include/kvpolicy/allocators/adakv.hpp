@@ -95,7 +95,10 @@ struct AdaKV {
     // The buffers persist per calling thread (capacity only; every call overwrites what it
     // reads): the histograms alone are 128 KiB for 8 heads, which glibc maps and unmaps anew on
     // every call (page faults: ~10% of an event's allocation at T = 32768). Each call starts by
-    // resizing or clearing what it uses, so nothing carries over between calls.
+    // resizing or clearing what it uses, so nothing carries over between calls. The capacity
+    // stays with the thread (at most about 16 bytes per pool entry of the largest layer seen, in
+    // the edge lists). One thread must not run two allocate calls at once (nothing does: the
+    // per-head passes below call no allocator).
     struct Scratch {
       std::vector<std::uint32_t> hist;
       std::vector<std::uint64_t> row;

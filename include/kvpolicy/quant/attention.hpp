@@ -47,6 +47,12 @@
 #include "kvpolicy/cpu/parallel.hpp"
 #include "kvpolicy/quant/packed_cache.hpp"
 
+// Build flags: the AVX-512 forms are compiled where the compiler targets AVX-512F (e.g.
+// -march=native on such a CPU), the plain loops elsewhere, under the same names. Compile every
+// translation unit of one program that includes the quant headers with the same instruction-set
+// flags: otherwise the linker keeps one of the two definitions of each inline function (an ODR
+// violation), which can run AVX-512 code on a CPU without it. (The tests build the quant tests
+// both ways, as two programs: kvpolicy_tests and kvpolicy_tests_avx512.)
 #if !defined(__CUDACC__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define KVP_QUANT_AVX512 1
@@ -67,11 +73,15 @@ namespace detail {
 // e^x for x <= 0 (a logit minus the running maximum), within a few ulp of std::exp: Cephes'
 // expf, x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 split in two so r is
 // exact), e^r = 1 + r + r^2 P(r) with a degree-5 minimax P, times 2^n written into the exponent
-// bits (n >= -126 here: a normal number). Below -87 (e^x < 1.7e-38) it returns 0 where std::exp
-// returns a denormal: a term under 2^-125 of the row's largest one, e^0 = 1, in the sum. Only
-// arithmetic and selects against constants, so the loops calling it vectorize (GCC, Clang).
+// bits (n >= -126 here: a normal number). Below -87 it returns 0 where std::exp returns a number
+// under 1.7e-38 (normal down to -87.34, then denormal): a term under 2^-125 of the row's largest
+// one, e^0 = 1, in the sum. x is also clamped to 0 from above, so that a positive x (outside the
+// domain: only a NaN logit upstream leads there) gives e^0 = 1 and never an undefined int
+// conversion or an exponent that overflows into the sign bit. Only arithmetic and selects against
+// constants, so the loops calling it vectorize (GCC, Clang).
 inline float exp_nonpositive(float x) {
-  const float xc = x >= -87.0f ? x : -87.0f;  // -inf and NaN too: the int conversion stays defined
+  // -inf and NaN too go to -87: the int conversion stays defined
+  const float xc = x >= -87.0f ? (x <= 0.0f ? x : 0.0f) : -87.0f;
   // round(xc * log2 e) to nearest: adding 1.5 * 2^23 leaves no fraction bits (|xc| < 2^22).
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -331,10 +341,12 @@ inline void accumulate_packed(const float* u, std::int64_t n, const Blk* vb, std
   });
 }
 
-// exp_nonpositive on 16 lanes, the same operations.
+// exp_nonpositive on 16 lanes, the same operations (with fused multiply-adds, so the bits can
+// differ from the scalar form's in the last place).
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f), magic = _mm512_set1_ps(12582912.0f);
-  const __m512 xc = _mm512_maskz_max_ps(kAll, x, lo);  // a NaN x gives lo (the second operand)
+  // clamped to [-87, 0]; a NaN x gives lo (max_ps returns its second operand)
+  const __m512 xc = _mm512_maskz_min_ps(kAll, _mm512_maskz_max_ps(kAll, x, lo), _mm512_setzero_ps());
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), magic), magic);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);

@@ -135,7 +135,7 @@ inline void round_half_away8(F& x) {
   x = t + up;
 }
 
-// quant_range(lo[j], hi[j], max_code) for the 8 lanes.
+// quant_range(lo[j], hi[j], max_code) for every lane (8 or 16).
 template <class F>
 inline void quant_range8(const F& lo, const F& hi, int max_code, F& scale, F& zero) {
   using I = typename QV<F>::i;
