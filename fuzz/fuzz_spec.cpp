@@ -99,6 +99,8 @@ void run_dense(const Policy& p, FuzzedDataProvider& fdp, kvp_fuzz::Rng& rng) {
     }
     in.accumulated = acc.data();
     in.observed = fdp.ConsumeBool() ? obs.data() : nullptr;
+    // The same buffer as context-reconstruction scores (kvzip reads any non-negative floats).
+    if (fdp.ConsumeBool()) in.reconstruction = acc.data();
   }
   in.reduce = static_cast<GqaReduce>(fdp.ConsumeIntegralInRange<int>(0, 2));
   const Budget b = pick_budget(fdp, s.T);

@@ -576,6 +576,21 @@ std::string render_report(json& results) {
       md += "Decode speed-ups (targets of issue 20, set for 8K):\n\n" +
             markdown_table({"context", "ratio of decode tok/s", "measured", "target", "met"}, sp) +
             "\n";
+    // kvzip's reconstruction pass (Engine::reconstruct) against the prefill of the same context.
+    std::vector<std::vector<std::string>> rc;
+    for (std::int64_t L : contexts)
+      for (const auto& t : thr)
+        if (t["context"].get<std::int64_t>() == L && t.contains("reconstruct_s")) {
+          const double p = t["prefill_s"], r = t["reconstruct_s"];
+          rc.push_back({std::to_string(L), fmt("%.2f", p), fmt("%.2f", r), fmt("%.2fx", r / p),
+                        r <= 1.2 * p ? "yes" : "**no**"});
+          break;
+        }
+    if (!rc.empty())
+      md += "kvzip's context-reconstruction pass (repeats the context in chunks of 2048 tokens; "
+            "prefill without compression):\n\n" +
+            markdown_table({"context", "prefill s", "reconstruction s", "ratio", "<= 1.2x"}, rc) +
+            "\n";
   }
   std::string times;
   for (const auto& [k, v] : results["seconds"].items())

@@ -318,6 +318,7 @@ RetrievalPrompt make_retrieval_prompt(const Model& m, const std::vector<Corpus>&
     p.answer_text = value;
   }
   p.context = tok.encode(c.pre + intro, true, false);
+  p.header = static_cast<std::int64_t>(tok.encode(c.pre, true, false).size());
   p.question = tok.encode("\n\n" + question + c.post, true, false);
   // The answer's tokens as they follow the prefix in one reply (BPE must not merge across).
   p.prefix = tok.encode(prefix, false, false);
@@ -371,6 +372,13 @@ RetrievalOutcome run_retrieval(const Model& m, const RetrievalPrompt& p,
   RetrievalOutcome out;
   Engine full(m, full_cfg);
   full.prefill(p.context);
+  // kvzip reads the scores of a pass that repeats the context (the chat header left out, as
+  // kvpress does); the forks copy them.
+  const bool recon = std::any_of(grid.begin(), grid.end(), [](const GridPoint& g) {
+    return has(kvpolicy::Policy(g.policy).needs(), kvpolicy::Needs::reconstruction);
+  });
+  const kvpolicy::engine::ReconstructOptions recon_opt{2048, p.header};
+  if (recon) full.reconstruct(recon_opt);
 
   // Appended after the context: question + prefix + answer without its last token; its last
   // A logit rows predict the answer. After the question (question-known): prefix + answer
@@ -420,6 +428,7 @@ RetrievalOutcome run_retrieval(const Model& m, const RetrievalPrompt& p,
     if (r == Regime::question_known) {
       base = std::make_unique<Engine>(full.fork(kFull, Budget::ratio(1.0)));
       base->extend(p.question);
+      if (recon) base->reconstruct(recon_opt);  // the question is part of what is repeated
     }
     const Engine& src = base ? *base : full;
     const std::span<const std::int32_t> tail = base ? std::span<const std::int32_t>(pa) : qa_span;

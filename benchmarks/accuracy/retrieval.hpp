@@ -65,6 +65,8 @@ struct RetrievalPrompt {
   std::string task;
   std::int64_t length = 0, index = 0;       // requested tokens, prompt number
   std::vector<std::int32_t> context;        // chat header .. end of the haystack
+  std::int64_t header = 0;                  // tokens of the chat header (the context's first;
+                                            // kvzip's reconstruction pass does not repeat them)
   std::vector<std::int32_t> question;       // question, end of the user turn, assistant header
   // The assistant's reply is prefix + answer: the prefix restates the question the way this
   // model starts its answers ("The pass key is"), so that the answer tokens are what greedy

@@ -15,13 +15,15 @@
 #include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/keydiff.hpp"
 #include "kvpolicy/scorers/knorm.hpp"
+#include "kvpolicy/scorers/kvzip.hpp"
 #include "kvpolicy/scorers/snapkv.hpp"
 #include "kvpolicy/scorers/streaming.hpp"
 #include "kvpolicy/scorers/tova.hpp"
 
 namespace kvpolicy {
 
-using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff, ExpectedAttention>;
+using scorer_types = std::tuple<H2O, SnapKV, Streaming, TOVA, KNorm, KeyDiff, ExpectedAttention,
+                                KVzip>;
 using allocator_types = std::tuple<Uniform, Pyramid, DepthKV, AdaKV, AMS>;
 using merger_types = std::tuple<Semantic, Nearest>;
 using quantizer_types = std::tuple<quant::Int2, quant::Int4, quant::Kivi>;

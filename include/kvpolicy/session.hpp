@@ -24,6 +24,10 @@
 // the whole cache). A packed cache is compressed once: decode-time eviction (h2o, a
 // decode_interval) and H2O statistics (record_attention) are rejected with a quantizer, and
 // keys()/values() are unavailable for a quantized layer (packed() gives its caches).
+// Context reconstruction (kvzip): between the prefill and the first compression, an engine may
+// run a pass that repeats the context and hand each chunk's Q/K/V to reconstruct(l, ...); the
+// largest attention every cached token receives is kept as its reconstruction score, compacted
+// with the cache like the other per-token state.
 #pragma once
 #include <algorithm>
 #include <optional>
@@ -152,6 +156,11 @@ class Session {
                 "SessionConfig::record_attention)");
     KVP_REQUIRE(!h2o || h2o->reduce != GqaReduce::max,
                 "session: h2o with reduce=max cannot be accumulated step by step; use mean or sum");
+    if (has(policy.needs(), Needs::reconstruction))
+      for (std::int64_t l = 0; l < cfg_.layers; ++l)
+        KVP_REQUIRE(layers_[static_cast<std::size_t>(l)].reconstructed, "session.fork: policy '",
+                    policy.spec(), "' reads context-reconstruction scores but layer ", l,
+                    " has none; run the reconstruction pass (reconstruct()) before forking");
     Session out = *this;
     const float from = acc_scale(policy_), to = acc_scale(policy);
     out.policy_ = std::move(policy);
@@ -239,6 +248,7 @@ class Session {
         L.positions[s] = static_cast<std::int32_t>(L.next_position + t);
         L.acc[s] = 0.f;
         L.observed[s] = 0.f;
+        L.recon[s] = 0.f;
         if (!L.credit.empty()) L.credit[s] = 0.f;
         L.log_count[s] = 0.f;
         L.delim[s] = delimiters.empty() ? 0 : (delimiters[static_cast<std::size_t>(t)] != 0);
@@ -280,6 +290,66 @@ class Session {
     }
     cpu::attention(cfg_.backend, keys(layer), values(layer), q, args, out);
   }
+
+  // Context reconstruction (scorers/kvzip.hpp). q [1][Hq][n][d], k and v [1][Hkv][n][d]: n tokens
+  // of the engine's reconstruction pass at this layer (a prompt asking to repeat the context,
+  // then a chunk of it, teacher-forced), placed after the cache. Writes their attention over the
+  // cache and their own earlier tokens (causal) to out [Hq][n][d], as append() then attend()
+  // would, and raises each cached token's reconstruction score to the largest attention
+  // probability it receives from these queries (over its KV head's query group). The n tokens
+  // are not kept: lengths, positions, H2O statistics and recorded queries stay as they were.
+  // The chunks of one pass add to the same scores; clear_reconstruction() starts over.
+  void reconstruct(std::int64_t layer, const KVView<const T>& k, const KVView<const T>& v,
+                   const KVView<const T>& q, float* out) {
+    Layer& L = at(layer);
+    KVP_REQUIRE(!quantized(L), "session.reconstruct: layer ", layer,
+                " is quantized; run the reconstruction pass before the compression that packs it");
+    check_block(k, cfg_.kv_heads, "k");
+    check_block(v, cfg_.kv_heads, "v");
+    check_block(q, cfg_.q_heads, "q");
+    KVP_REQUIRE(k.tokens > 0, "session.reconstruct: no tokens");
+    KVP_REQUIRE(v.tokens == k.tokens && q.tokens == k.tokens, "session.reconstruct: k, v and q "
+                "hold ", k.tokens, ", ", v.tokens, " and ", q.tokens, " tokens; they must agree");
+    KVP_REQUIRE(out != nullptr, "session.reconstruct: out is null");
+    require_finite(k, "k");
+    require_finite(v, "v");
+    require_finite(q, "q");
+    const std::int64_t n = k.tokens, d = cfg_.head_dim;
+    const std::int64_t maxlen = *std::max_element(L.lengths.begin(), L.lengths.end());
+    if (maxlen + n > L.capacity) reserve(L, std::max(2 * L.capacity, maxlen + n));
+    // The chunk goes, for this call only, after each head's rows (its own log(count) is 0).
+    std::vector<std::int64_t> lens = L.lengths;
+    for (std::int64_t h = 0; h < cfg_.kv_heads; ++h) {
+      auto& len = lens[static_cast<std::size_t>(h)];
+      for (std::int64_t t = 0; t < n; ++t) {
+        copy_row(k, h, t, L.k.data() + (h * L.capacity + len + t) * d);
+        copy_row(v, h, t, L.v.data() + (h * L.capacity + len + t) * d);
+        L.log_count[static_cast<std::size_t>(h * L.capacity + len + t)] = 0.f;
+      }
+      len += n;
+    }
+    cpu::RaggedAttentionArgs args;
+    args.lengths = lens.data();
+    args.causal = true;
+    args.max_attention = L.recon.data();
+    args.state_stride = L.capacity;
+    if (policy_.merger()) {
+      args.bias = L.log_count.data();
+      args.bias_stride = L.capacity;
+    }
+    cpu::attention(cfg_.backend, keys(layer), values(layer), q, args, out);
+    L.reconstructed = true;
+  }
+  // Zeroes every reconstruction score: the next reconstruct() calls start a new pass (over a
+  // longer context, say).
+  void clear_reconstruction() {
+    for (auto& L : layers_) {
+      std::fill(L.recon.begin(), L.recon.end(), 0.f);
+      L.reconstructed = false;
+    }
+  }
+  // True once reconstruct() ran on `layer` (since the last clear_reconstruction()).
+  bool reconstructed(std::int64_t layer) const { return at(layer).reconstructed; }
 
   // Compresses `layer` if it is due: the first call (prefill) compresses to the configured
   // budget; later calls compress back to the decode targets every decode_interval() tokens
@@ -347,6 +417,7 @@ class Session {
     }
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
+    if (L.reconstructed) in.reconstruction = L.recon.data();
     in.rope_inv_freq = cfg_.rope_inv_freq;
     in.first_query_position = L.next_position - nq;
     in.state_stride = L.capacity;
@@ -419,6 +490,7 @@ class Session {
         }
         one.accumulated = in.accumulated + h * L.capacity;
         one.observed = in.observed + h * L.capacity;
+        if (in.reconstruction) one.reconstruction = in.reconstruction + h * L.capacity;
         const bool evicts = budgets[hs] < n;
         one_sel[hs] = pol.select(cfg_.backend, one, Budget::total(budgets[hs]),
                                  EventInfo{layer, cfg_.layers, credit(L, h), L.capacity},
@@ -458,6 +530,7 @@ class Session {
     cpu::compact_state(cfg_.backend, L.positions.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.acc.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.observed.data(), 0, L.capacity, sel);
+    cpu::compact_state(cfg_.backend, L.recon.data(), 0, L.capacity, sel);
     if (!L.credit.empty()) cpu::compact_state(cfg_.backend, L.credit.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.log_count.data(), 0, L.capacity, sel);
     cpu::compact_state(cfg_.backend, L.delim.data(), 0, L.capacity, sel);
@@ -527,6 +600,13 @@ class Session {
     return {L.acc.data() + head * L.capacity,
             static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
   }
+  // Context-reconstruction scores of the kept tokens of (layer, head) (zeros before any
+  // reconstruct()).
+  std::span<const float> reconstruction(std::int64_t layer, std::int64_t head) const {
+    const Layer& L = at(layer);
+    return {L.recon.data() + head * L.capacity,
+            static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
+  }
   // Allocator state of the kept tokens of (layer, head) (AMS credit); empty for stateless
   // policies.
   std::span<const float> alloc_state(std::int64_t layer, std::int64_t head) const {
@@ -572,6 +652,8 @@ class Session {
     std::vector<T> k, v, q;  // k, v: [Hkv][capacity][d]; q: [Hq][window][d], newest last
     std::vector<std::int32_t> positions;
     std::vector<float> acc, observed;
+    std::vector<float> recon;  // context-reconstruction scores (reconstruct())
+    bool reconstructed = false;
     std::vector<float> credit;  // allocator state (AMS credit), when the policy keeps one
     std::vector<float> log_count;      // merge counts, log(tokens a row stands for)
     std::vector<std::uint8_t> delim;   // 1: the row ends a chunk (semantic merger)
@@ -688,6 +770,7 @@ class Session {
     regrow(L.positions, 1);
     regrow(L.acc, 1);
     regrow(L.observed, 1);
+    regrow(L.recon, 1);
     regrow(L.log_count, 1);
     regrow(L.delim, 1);
     if (policy_.alloc_state()) {

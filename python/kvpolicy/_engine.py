@@ -119,6 +119,14 @@ class Engine:
         kind, value = budget_args(budget, budget_tokens, None)
         return Engine(self.model, _engine=self._e.fork(spec, kind, value))
 
+    def reconstruct(self, chunk: int = 2048, first: int = 0) -> None:
+        """Runs the context-reconstruction pass for ``kvzip``: the model repeats the cached
+        tokens from position ``first`` on, teacher-forced in chunks of ``chunk`` tokens. Only
+        the reconstruction scores change. An engine whose own policy is ``kvzip`` runs it
+        inside ``prefill``. A recording full-cache engine runs it once, and its forks then
+        copy the scores."""
+        self._e.reconstruct(chunk, first)
+
     def compress_now(self) -> None:
         self._e.compress_now()
 

@@ -94,7 +94,8 @@ class Policy:
 
     @property
     def needs(self) -> frozenset[str]:
-        """What the policy reads: a subset of {'keys', 'values', 'queries', 'accumulated'}."""
+        """What the policy reads: a subset of {'keys', 'values', 'queries', 'accumulated',
+        'reconstruction'}."""
         return frozenset(n for n in self._p.needs.split(",") if n)
 
     def __repr__(self) -> str:
@@ -103,26 +104,30 @@ class Policy:
     def select(self, keys: Any, values: Any = None, queries: Any = None, *,
                budget: float = 0.25, budget_tokens: Optional[int] = None,
                budget_total: Optional[int] = None, accumulated: Any = None,
-               observed: Any = None, return_scores: bool = False, first_layer: int = 0,
-               model_layers: int = 0, rope_inv_freq: Any = None) -> CompressResult:
+               observed: Any = None, reconstruction: Any = None, return_scores: bool = False,
+               first_layer: int = 0, model_layers: int = 0,
+               rope_inv_freq: Any = None) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
         sums (h2o's state), ``observed`` the number of queries behind each sum (for
-        ``h2o(normalize=true)``). ``first_layer`` / ``model_layers``: where the given layers sit in
+        ``h2o(normalize=true)``). ``reconstruction``: float32 ``[L][H][T]`` context-reconstruction
+        scores for ``kvzip``, from your own reconstruction pass (``Session.reconstruct`` computes
+        them for you). ``first_layer`` / ``model_layers``: where the given layers sit in
         the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
         at a time (0: the cache holds every layer). ``rope_inv_freq``: the model's inverse RoPE
         frequencies ``[head_dim // 2]`` for scorers that rotate queries to future positions
         (``expected``; otherwise its spec needs ``theta=``)."""
-        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
-                         budget_total, compact=False, inplace=False, scores=return_scores,
+        return self._run(keys, values, queries, (accumulated, observed, reconstruction), budget,
+                         budget_tokens, budget_total, compact=False, inplace=False,
+                         scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
                          rope_inv_freq=rope_inv_freq)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
-                 accumulated: Any = None, observed: Any = None, inplace: bool = True,
-                 return_scores: bool = False,
+                 accumulated: Any = None, observed: Any = None, reconstruction: Any = None,
+                 inplace: bool = True, return_scores: bool = False,
                  first_layer: int = 0, model_layers: int = 0,
                  rope_inv_freq: Any = None) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
@@ -130,8 +135,9 @@ class Policy:
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
         Inf anywhere in the inputs raises ValueError before anything is written. The GIL is
         released while the library works."""
-        return self._run(keys, values, queries, (accumulated, observed), budget, budget_tokens,
-                         budget_total, compact=True, inplace=inplace, scores=return_scores,
+        return self._run(keys, values, queries, (accumulated, observed, reconstruction), budget,
+                         budget_tokens, budget_total, compact=True, inplace=inplace,
+                         scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
                          rope_inv_freq=rope_inv_freq)
 
@@ -142,7 +148,8 @@ class Policy:
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
         q = None if queries is None else _same_rank(queries, "queries", lifted)
-        acc, obs = (_state(x, name, lifted) for x, name in zip(state, ("accumulated", "observed")))
+        acc, obs, rec = (_state(x, name, lifted)
+                         for x, name in zip(state, ("accumulated", "observed", "reconstruction")))
         if compact and v is None:
             raise ValueError("values: compress needs the values to compact (use select for the "
                              "selection alone)")
@@ -153,7 +160,7 @@ class Policy:
                              "corrupt them")
         freqs = [] if rope_inv_freq is None else \
             np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
-        idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, kind, value, first_layer,
+        idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, rec, kind, value, first_layer,
                                                 model_layers, compact, scores, freqs)
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=3)

@@ -68,6 +68,28 @@ class Session:
         layer's cache; returns float32 ``[Hq][n][d]``. Accumulates h2o statistics."""
         return self._s.attend(layer, as_array(q, "q"))
 
+    def reconstruct(self, layer: int, k: Any, v: Any, q: Any) -> np.ndarray:
+        """One chunk of a context-reconstruction pass at ``layer``, for the ``kvzip`` scorer.
+        After the prefill, the engine runs a teacher-forced pass that repeats the context in
+        chunks ("Repeat the previous context exactly." followed by the context's tokens). For
+        each chunk it passes the chunk's post-RoPE k, v ``[Hkv][n][d]`` and q ``[Hq][n][d]``
+        here instead of ``append`` + ``attend``. Returns their causal attention over the cache
+        and the chunk's earlier tokens, float32 ``[Hq][n][d]``. Each cached token's score rises
+        to the largest attention probability it receives. The chunk is not kept."""
+        return self._s.reconstruct(layer, as_array(k, "k"), as_array(v, "v"), as_array(q, "q"))
+
+    def clear_reconstruction(self) -> None:
+        """Zeroes every layer's reconstruction scores, so that a new pass starts from zero."""
+        self._s.clear_reconstruction()
+
+    def reconstructed(self, layer: int) -> bool:
+        """True once ``reconstruct`` ran on ``layer`` (since the last clear)."""
+        return self._s.reconstructed(layer)
+
+    def reconstruction(self, layer: int, head: int) -> np.ndarray:
+        """Reconstruction scores (float32) of the tokens held by (layer, head)."""
+        return self._s.reconstruction(layer, head)
+
     def compress_if_due(self, layer: int) -> bool:
         """Compresses ``layer`` if due; True if it compacted."""
         done = self._s.compress_if_due(layer)

@@ -317,6 +317,13 @@ void bind_engine(py::module_& m) {
             return e.fork(policy, budget_of(kind, value));
           },
           py::arg("policy"), py::arg("kind"), py::arg("value"), py::keep_alive<0, 1>())
+      .def(
+          "reconstruct",
+          [](Engine& e, std::int64_t chunk, std::int64_t first) {
+            py::gil_scoped_release nogil;
+            e.reconstruct({chunk, first});
+          },
+          py::arg("chunk") = 2048, py::arg("first") = 0)
       .def("compress_now", &Engine::compress_now)
       .def("reset", &Engine::reset)
       .def_property_readonly("position", &Engine::position)

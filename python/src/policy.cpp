@@ -26,21 +26,24 @@ Budget make_budget(char kind, double value) {
 
 struct Call {
   py::array keys;
-  std::optional<py::array> values, queries, accumulated, observed;
+  std::optional<py::array> values, queries, accumulated, observed, reconstruction;
   std::vector<float> rope_inv_freq{};
 };
 
 Call arrays_of(const py::handle& keys, const py::handle& values, const py::handle& queries,
-               const py::handle& accumulated, const py::handle& observed) {
-  Call c{as_array(keys, "keys"), {}, {}, {}, {}};
+               const py::handle& accumulated, const py::handle& observed,
+               const py::handle& reconstruction) {
+  Call c{as_array(keys, "keys"), {}, {}, {}, {}, {}};
   if (!values.is_none()) c.values = as_array(values, "values");
   if (!queries.is_none()) c.queries = as_array(queries, "queries");
   if (!accumulated.is_none()) c.accumulated = as_array(accumulated, "accumulated");
   if (!observed.is_none()) c.observed = as_array(observed, "observed");
+  if (!reconstruction.is_none()) c.reconstruction = as_array(reconstruction, "reconstruction");
   return c;
 }
 
-// A float32 C-contiguous [L][H][T] state array (h2o's sums or observation counts).
+// A float32 C-contiguous [L][H][T] state array (h2o's sums or observation counts, kvzip's
+// reconstruction scores).
 template <class T>
 const float* state_of(const py::array& a, const kvpolicy::KVView<T>& keys, const char* what) {
   if (!a.dtype().is(py::dtype::of<float>()))
@@ -78,6 +81,7 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
   }
   if (c.accumulated) in.accumulated = state_of(*c.accumulated, in.keys, "accumulated");
   if (c.observed) in.observed = state_of(*c.observed, in.keys, "observed");
+  if (c.reconstruction) in.reconstruction = state_of(*c.reconstruction, in.keys, "reconstruction");
   in.rope_inv_freq = c.rope_inv_freq;
   return in;
 }
@@ -108,10 +112,10 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpoli
 
 py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& values,
                    const py::handle& queries, const py::handle& accumulated,
-                   const py::handle& observed, char kind,
+                   const py::handle& observed, const py::handle& reconstruction, char kind,
                    double value, std::int64_t first_layer, std::int64_t model_layers, bool compact,
                    bool scores, std::vector<float> rope_inv_freq) {
-  Call c = arrays_of(keys, values, queries, accumulated, observed);
+  Call c = arrays_of(keys, values, queries, accumulated, observed, reconstruction);
   c.rope_inv_freq = std::move(rope_inv_freq);
   if (compact && !c.values) value_error("values: compress needs the values to compact");
   const Budget budget = make_budget(kind, value);
@@ -133,6 +137,7 @@ std::string needs_names(kvpolicy::Needs n) {
   add(Needs::values, "values");
   add(Needs::queries, "queries");
   add(Needs::accumulated, "accumulated");
+  add(Needs::reconstruction, "reconstruction");
   return s;
 }
 
@@ -162,7 +167,8 @@ void bind_policy(py::module_& m) {
       .def_property_readonly("decode_time", &Policy::decode_time)
       .def("__repr__", [](const Policy& p) { return "Policy('" + p.spec() + "')"; })
       .def("_run", &dispatch, py::arg("keys"), py::arg("values"), py::arg("queries"),
-           py::arg("accumulated"), py::arg("observed"), py::arg("kind"), py::arg("value"), py::arg("first_layer"),
+           py::arg("accumulated"), py::arg("observed"), py::arg("reconstruction"), py::arg("kind"),
+           py::arg("value"), py::arg("first_layer"),
            py::arg("model_layers"), py::arg("compact"),
            py::arg("scores"), py::arg("rope_inv_freq"));
 }

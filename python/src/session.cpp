@@ -96,6 +96,26 @@ void bind_session_class(py::module_& m) {
             return out;
           },
           py::arg("layer"), py::arg("q"))
+      .def(
+          "reconstruct",
+          [](S& s, std::int64_t layer, const py::handle& k, const py::handle& v,
+             const py::handle& q) {
+            const auto kv = f32_layer(k, "k"), vv = f32_layer(v, "v"), qv = f32_layer(q, "q");
+            auto out = new_f32({qv.heads, qv.tokens, qv.dim});
+            float* o = out.mutable_data();
+            py::gil_scoped_release nogil;
+            s.reconstruct(layer, kv, vv, qv, o);
+            return out;
+          },
+          py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("q"))
+      .def("clear_reconstruction", &S::clear_reconstruction)
+      .def("reconstructed", &S::reconstructed, py::arg("layer"))
+      .def(
+          "reconstruction",
+          [](const S& s, std::int64_t layer, std::int64_t head) {
+            return copy_span<float>(s.reconstruction(layer, head));
+          },
+          py::arg("layer"), py::arg("head"))
       .def("take_warning", &S::take_warning)
       .def(
           "compress_if_due",

@@ -44,6 +44,8 @@ def test_kvpress_press():
     from kvpolicy.integrations.kvpress import KVPolicyPress
     with pytest.raises(ValueError, match="merger"):
         KVPolicyPress("snapkv | nearest", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="repeats the context, which KVPolicyPress does not run"):
+        KVPolicyPress("kvzip", compression_ratio=0.5)
     press = KVPolicyPress("knorm", compression_ratio=0.5)
     keys = torch.randn(1, 2, 10, 8)
     values = torch.randn(1, 2, 10, 8)

@@ -309,3 +309,21 @@ def test_h2o_normalized_by_observed_counts(rng):
         p.select(k, v, budget_tokens=6, accumulated=acc)
     with pytest.raises(ValueError, match="observed: shape"):
         p.select(k, v, budget_tokens=6, accumulated=acc, observed=obs[:, :, :5])
+
+
+def test_kvzip_with_given_reconstruction_scores(rng):
+    """kvzip on scores an engine computed itself: the first 4 tokens, then the best scores."""
+    L, H, T, d = 2, 2, 30, 8
+    k = rng.standard_normal((L, H, T, d)).astype(np.float32)
+    rec = rng.random((L, H, T)).astype(np.float32)
+    p = kvpolicy.Policy("kvzip")
+    with pytest.raises(ValueError, match="context-reconstruction scores are required"):
+        p.select(k, budget_tokens=10)
+    r = p.select(k, budget_tokens=10, reconstruction=rec)
+    for l in range(L):
+        for h in range(H):
+            best = 4 + np.argsort(-rec[l, h, 4:], kind="stable")[:6]
+            np.testing.assert_array_equal(r.indices[l, h, :r.counts[l, h]],
+                                          np.sort(np.r_[0:4, best]))
+    with pytest.raises(ValueError, match="reconstruction: shape"):
+        p.select(k, budget_tokens=10, reconstruction=rec[:, :, :5])

@@ -130,3 +130,43 @@ def test_storage_reserve_and_shrink(rng):
         s.reserve(0, 0)
     with pytest.raises(ValueError, match="address space"):
         s.reserve(0, 2 ** 62)
+
+
+def test_reconstruct_kvzip(rng):
+    """Session.reconstruct: the attention of a chunk placed after the cache, and per cached
+    token the largest softmax probability over the chunk's queries and the KV head's group;
+    kvzip then keeps the sinks and the best of those scores."""
+    L, H, Hq, d, T, n = 1, 2, 4, 16, 40, 6
+    g = Hq // H
+    s = kvpolicy.Session("kvzip", layers=L, kv_heads=H, q_heads=Hq, head_dim=d, budget=0.5)
+    assert s.policy.needs == {"keys", "reconstruction"}
+    k, v = (rng.standard_normal((H, T, d)).astype(np.float32) for _ in range(2))
+    s.append(0, k, v)
+    with pytest.raises(ValueError, match="context-reconstruction scores"):
+        s.compress_if_due(0)
+    best = np.zeros((H, T))
+    for _ in range(2):
+        ck, cv = (rng.standard_normal((H, n, d)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((Hq, n, d)).astype(np.float32)
+        out = s.reconstruct(0, ck, cv, q)
+        assert out.shape == (Hq, n, d)
+        for h in range(H):
+            kk, vv = np.concatenate([k[h], ck[h]]), np.concatenate([v[h], cv[h]])
+            qs = q[h * g:(h + 1) * g].astype(np.float64)
+            np.testing.assert_allclose(out[h * g:(h + 1) * g], attention(qs, kk, vv, True),
+                                       atol=1e-5)
+            sc = qs @ kk.T.astype(np.float64) / np.sqrt(d)
+            sc = np.where(np.arange(T + n)[None, None, :] > (T + np.arange(n))[None, :, None],
+                          -np.inf, sc)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            best[h] = np.maximum(best[h], p[..., :T].max(axis=(0, 1)))
+            np.testing.assert_allclose(s.reconstruction(0, h), best[h], atol=1e-6)
+    np.testing.assert_array_equal(s.lengths(0), [T, T])
+    assert s.reconstructed(0)
+    assert s.compress_if_due(0)
+    for h in range(H):
+        rest = 4 + np.argsort(-best[h, 4:], kind="stable")[:T // 2 - 4]
+        np.testing.assert_array_equal(s.positions(0, h), np.sort(np.r_[0:4, rest]))
+    s.clear_reconstruction()
+    assert not s.reconstructed(0)

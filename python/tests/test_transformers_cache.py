@@ -274,6 +274,8 @@ def test_refuses_batches_padding_and_other_attention(model, prompt):
     with _sdpa(model), pytest.raises(RuntimeError, match="did not run through kvpolicy"), \
             torch.no_grad():
         model(_ids(prompt[:20]), past_key_values=c)
+    with pytest.raises(ValueError, match="model.generate\\(\\) does not run"):
+        kvt.KVPolicyCache(model, "kvzip", budget=0.5)
     c = kvt.KVPolicyCache(model, "snapkv", budget=0.5)
     with pytest.raises(ValueError, match="num_beams"):
         _generate_beams(model, prompt[:20], c)

@@ -410,6 +410,35 @@ extern "C" kvp_status kvp_session_attend(kvp_session* session, int64_t layer, co
   });
 }
 
+extern "C" kvp_status kvp_session_reconstruct(kvp_session* session, int64_t layer,
+                                              const kvp_tensor* k, const kvp_tensor* v,
+                                              const kvp_tensor* q, float* out, size_t out_len) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    KVP_C_NONNULL(k, "k");
+    KVP_C_NONNULL(v, "v");
+    KVP_C_NONNULL(q, "q");
+    KVP_C_NONNULL(out, "out");
+    check_layer(session, layer);
+    const KVView<const float> kv = view_of<const float>(*k, "k");
+    const KVView<const float> vv = view_of<const float>(*v, "v");
+    const KVView<const float> qv = view_of<const float>(*q, "q");
+    const auto need = static_cast<std::size_t>(qv.heads * qv.tokens * qv.dim);
+    if (out_len < need)
+      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(out_len) +
+                                            " floats but the attention output needs " +
+                                            std::to_string(need) + " (Hq * n * d)");
+    session->session.reconstruct(layer, kv, vv, qv, out);
+  });
+}
+
+extern "C" kvp_status kvp_session_clear_reconstruction(kvp_session* session) {
+  return guard([&] {
+    KVP_C_NONNULL(session, "session");
+    session->session.clear_reconstruction();
+  });
+}
+
 extern "C" kvp_status kvp_session_compress_if_due(kvp_session* session, int64_t layer,
                                                   int* compressed) {
   return guard([&] {

@@ -205,6 +205,11 @@ kvpolicy::Policy make_policy(const std::string& spec) {
   } catch (const kvpolicy::Error& e) {
     throw Failure("--policy", library_message(e));
   }
+  if (kvpolicy::has(p.needs(), kvpolicy::Needs::reconstruction))
+    throw Failure("--policy", "'" + p.spec() + "' reads context-reconstruction scores, which an "
+                              "engine produces with a reconstruction pass through a Session (C: "
+                              "kvp_session_reconstruct; Python: Session.reconstruct); kvpolicy "
+                              "compress has only the cached keys and values");
   if (p.merger() || p.quantizer())
     throw Failure("--policy", "'" + p.spec() + "' has a " + (p.merger() ? "merger" : "quantizer") +
                                   " stage; kvpolicy compress selects and compacts only (mergers "

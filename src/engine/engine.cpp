@@ -173,6 +173,7 @@ Engine::Engine(const Engine& src, EngineConfig cfg, Session<float> session, cons
       cfg_(std::move(cfg)),
       session_(std::move(session)),
       position_(src.position_),
+      tokens_(src.tokens_),
       last_logits_(src.last_logits_),
       inv_freq_(src.inv_freq_),
       capture_(src.capture_),
@@ -222,6 +223,7 @@ Engine::Engine(const Model& model, EngineConfig cfg)
 void Engine::reset() {
   session_ = Session<float>(Policy(cfg_.policy), session_config(model_, cfg_));
   position_ = 0;
+  tokens_.clear();
   last_logits_.clear();
 }
 
@@ -233,9 +235,11 @@ void Engine::forward(std::span<const std::int32_t> tokens, bool evict_after_each
 
 void Engine::forward_multi(std::span<Engine* const> es,
                            std::span<const std::span<const std::int32_t>> toks,
-                           bool evict_after_each_layer) {
+                           bool evict_after_each_layer, bool reconstruct) {
   KVP_REQUIRE(!es.empty() && es.size() == toks.size(), "engine: ", es.size(), " engines for ",
               toks.size(), " token spans");
+  KVP_REQUIRE(!reconstruct || (es.size() == 1 && !evict_after_each_layer),
+              "engine: a reconstruction pass runs one engine and never evicts");
   Engine& e0 = *es[0];
   const Model& model = e0.model_;
   const ModelConfig& c = model.config();
@@ -311,11 +315,16 @@ void Engine::forward_multi(std::span<Engine* const> es,
       const auto qv = KVView<const float>::nhd(e0.q_.data() + r0 * Hq * d, 1, Hq, n, d);
       const auto kv = KVView<const float>::nhd(e0.k_.data() + r0 * Hkv * d, 1, Hkv, n, d);
       const auto vv = KVView<const float>::nhd(e0.v_.data() + r0 * Hkv * d, 1, Hkv, n, d);
-      if (e.capture_) e.capture_(LayerCapture{l, e.position_, qv, kv, vv});
-      e.session_.append(l, kv, vv, qv,
-                        std::span<const std::uint8_t>(delim.data() + r0, static_cast<std::size_t>(n)));
       e.attn_hnd_.resize(static_cast<std::size_t>(Hq * n * d));
-      e.session_.attend(l, qv, e.attn_hnd_.data());
+      if (reconstruct) {
+        e.session_.reconstruct(l, kv, vv, qv, e.attn_hnd_.data());
+      } else {
+        if (e.capture_) e.capture_(LayerCapture{l, e.position_, qv, kv, vv});
+        e.session_.append(
+            l, kv, vv, qv,
+            std::span<const std::uint8_t>(delim.data() + r0, static_cast<std::size_t>(n)));
+        e.session_.attend(l, qv, e.attn_hnd_.data());
+      }
       if (evict_after_each_layer) e.session_.compress_if_due(l);
       // [Hq][n][d] -> rows [r0, r0+n) of [rows][Hq*d]
       for (std::int64_t h = 0; h < Hq; ++h)
@@ -323,6 +332,8 @@ void Engine::forward_multi(std::span<Engine* const> es,
           std::copy_n(e.attn_hnd_.data() + (h * n + i) * d, d,
                       e0.attn_.data() + (r0 + i) * Hq * d + h * d);
     }
+    // The reconstruction pass reads only the queries: the last layer's output is not needed.
+    if (reconstruct && l + 1 == c.n_layers) return;
     linear(e0.attn_, L.wo, xn, threads);
     x += xn;
 
@@ -339,6 +350,43 @@ void Engine::forward_multi(std::span<Engine* const> es,
     const std::int64_t n = row0[s + 1] - row0[s];
     es[s]->hidden_ = xn.middleRows(row0[s], n);
     es[s]->position_ += n;
+    es[s]->tokens_.insert(es[s]->tokens_.end(), toks[s].begin(), toks[s].end());
+  }
+}
+
+void Engine::reconstruct(ReconstructOptions opt) {
+  KVP_REQUIRE(opt.chunk > 0, "engine.reconstruct: chunk must be positive (got ", opt.chunk, ")");
+  KVP_REQUIRE(opt.first >= 0 && opt.first < position_, "engine.reconstruct: first ", opt.first,
+              " is outside the ", position_, " cached positions");
+  KVP_REQUIRE(static_cast<std::int64_t>(tokens_.size()) == position_,
+              "engine.reconstruct: the engine's token history is incomplete");
+  const Tokenizer& tok = model_.tokenizer();
+  // What follows the user message in the chat template (the assistant turn's opener).
+  std::string suffix = "\n";
+  if (!tok.chat_template().empty()) {
+    const std::string mark = "\x01kvpolicy-reconstruct\x01";
+    const std::string t = tok.apply_chat_template({{"user", mark}}, true);
+    suffix = t.substr(t.find(mark) + mark.size());
+  }
+  const auto encode = [&](const std::string& text) { return tok.encode(text, true, false); };
+  const std::vector<std::int32_t> first_prompt = encode("\n\nRepeat the previous context exactly.");
+  const std::vector<std::int32_t> next_prompt =
+      encode("\n\nRepeat the part of the previous context exactly, starting with");
+  const std::vector<std::int32_t> opener = encode(suffix);
+  constexpr std::int64_t kOverlap = 8;  // tokens of the previous chunk that cue the next one
+  session_.clear_reconstruction();
+  std::vector<std::int32_t> ids;
+  Engine* self = this;
+  for (std::int64_t s = opt.first; s < position_; s += opt.chunk) {
+    const std::int64_t e = std::min(position_, s + opt.chunk);
+    const auto at = [&](std::int64_t p) { return tokens_.begin() + p; };
+    ids = s == opt.first ? first_prompt : next_prompt;
+    if (s > opt.first) ids.insert(ids.end(), at(std::max(opt.first, s - kOverlap)), at(s));
+    ids.insert(ids.end(), opener.begin(), opener.end());
+    ids.insert(ids.end(), at(s), at(e));
+    const std::span<const std::int32_t> span(ids);
+    forward_multi(std::span<Engine* const>(&self, 1),
+                  std::span<const std::span<const std::int32_t>>(&span, 1), false, true);
   }
 }
 
@@ -441,7 +489,10 @@ Matrix Engine::extend(std::span<const std::int32_t> tokens, bool all_logits) {
     }
   }
   // Compression only after the whole prompt went through, so every prompt token attended the
-  // full prompt (as in a one-shot prefill) and the policy sees all of it.
+  // full prompt (as in a one-shot prefill) and the policy sees all of it. A policy that reads
+  // context-reconstruction scores (kvzip) gets its pass first, before the first compression.
+  if (has(session_.policy().needs(), Needs::reconstruction) && session_.budgets(0).empty())
+    reconstruct();
   compress_now();
   last_logits_.assign(out.row(out.rows() - 1).data(), out.row(out.rows() - 1).data() + out.cols());
   return out;

@@ -48,6 +48,13 @@ struct LayerCapture {
   KVView<const float> q, k, v;
 };
 
+// Engine::reconstruct's pass (scorers/kvzip.hpp).
+struct ReconstructOptions {
+  std::int64_t chunk = 2048;  // context tokens per chunk (the KVzip authors' and kvpress's 2048)
+  std::int64_t first = 0;     // first position to repeat: after a system prompt, say (kvpress
+                              // repeats the context without the chat template's prefix)
+};
+
 // Teacher-forced continuation: logprob[i] = log p(cont[i] | prompt, cont[<i]), argmax[i] the
 // greedy prediction at that point; logits (if requested) [n][vocab].
 struct TeacherForced {
@@ -113,6 +120,19 @@ class Engine {
   Engine with_model(const Model& other) const;
   // Compresses every layer that is due (what prefill() does at its end).
   void compress_now();
+  // Context reconstruction for kvzip (scorers/kvzip.hpp): a teacher-forced pass that repeats the
+  // tokens at positions [first, position()) on top of the cache, in chunks of `chunk` tokens.
+  // Chunk c is "\n\nRepeat the previous context exactly." (c = 0) or "\n\nRepeat the part of
+  // the previous context exactly, starting with" and the previous chunk's last 8 tokens (c > 0),
+  // then the chat template's assistant opener (the text after the user message; "\n" without
+  // a template), then the chunk's tokens: KVzip's prompts, as kvpress words them. Each layer
+  // hands the chunk's Q/K/V to Session::reconstruct; the chunk is then dropped, so the cache,
+  // position() and last_logits() are unchanged and only the reconstruction scores are new
+  // (earlier ones are cleared). Needs a cache that has not been quantized; run it between
+  // prefill() and compression: an engine whose policy reads the scores (kvzip) runs it inside
+  // prefill() itself, and forks of a recording full-cache engine copy its scores. Memory: one
+  // chunk's activations and attention strips.
+  void reconstruct(ReconstructOptions opt = {});
 
   const Model& model() const { return model_; }
   const Session<float>& session() const { return session_; }
@@ -123,10 +143,12 @@ class Engine {
  private:
   // Runs tokens [p0, p0+n) through all layers; fills hidden_ with the final-normed states.
   void forward(std::span<const std::int32_t> tokens, bool evict_after_each_layer);
-  // forward() over several sequences, their rows stacked; scratch of es[0] is used.
+  // forward() over several sequences, their rows stacked; scratch of es[0] is used. With
+  // `reconstruct` (one engine), the tokens go through Session::reconstruct instead of
+  // append/attend and leave nothing behind (no position, no hidden states).
   static void forward_multi(std::span<Engine* const> es,
                             std::span<const std::span<const std::int32_t>> toks,
-                            bool evict_after_each_layer);
+                            bool evict_after_each_layer, bool reconstruct = false);
   void logits_rows(std::int64_t first, std::int64_t count, Matrix& out) const;
   static SessionConfig session_config(const Model& m, const EngineConfig& c);
   Engine(const Engine& src, EngineConfig cfg, Session<float> session,
@@ -136,6 +158,7 @@ class Engine {
   EngineConfig cfg_;
   Session<float> session_;
   std::int64_t position_ = 0;
+  std::vector<std::int32_t> tokens_;  // every token processed, in order (reconstruct())
   std::vector<float> last_logits_;
   std::vector<float> inv_freq_;
   std::function<void(const LayerCapture&)> capture_;

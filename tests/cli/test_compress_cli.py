@@ -498,6 +498,8 @@ def test_policy_errors(cli, kv, tmp_path):
              problem=["has a quantizer stage", "Session"])
     run_fail(cli, out, *base, "--policy", "knorm | nearest", subject="--policy",
              problem="has a merger stage")
+    run_fail(cli, out, *base, "--policy", "kvzip", subject="--policy",
+             problem=["reads context-reconstruction scores", "kvp_session_reconstruct"])
     run_fail(cli, out, *base, "--policy", "snapkv", subject="--queries",
              problem=["policy 'snapkv' reads the last 64 queries",
                       "no --queries file was given"])

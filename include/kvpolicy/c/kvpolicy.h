@@ -316,6 +316,19 @@ KVP_API kvp_status kvp_session_append(kvp_session* session, int64_t layer, const
  * out float32 [Hq][n][d], out_len = Hq * n * d. */
 KVP_API kvp_status kvp_session_attend(kvp_session* session, int64_t layer, const kvp_tensor* q,
                                       float* out, size_t out_len);
+/* Context reconstruction, for the kvzip scorer. After the prefill and before the first
+ * compression, an engine runs a teacher-forced pass that repeats the context in chunks ("Repeat
+ * the previous context exactly." then the context's tokens; see the README). For each chunk and
+ * layer it passes the chunk's q [1][Hq][n][d] and k, v [1][Hkv][n][d] (float32, post-RoPE,
+ * positions after the cache) here instead of append + attend. The call writes their causal
+ * attention over the cache and the chunk's earlier tokens to out [Hq][n][d]
+ * (out_len >= Hq * n * d), and raises each cached token's score to the largest attention
+ * probability it receives. The chunk is not kept. */
+KVP_API kvp_status kvp_session_reconstruct(kvp_session* session, int64_t layer,
+                                           const kvp_tensor* k, const kvp_tensor* v,
+                                           const kvp_tensor* q, float* out, size_t out_len);
+/* Zeroes every layer's reconstruction scores, so that a new pass starts from zero. */
+KVP_API kvp_status kvp_session_clear_reconstruction(kvp_session* session);
 /* Compresses `layer` if due (prefill, then every decode interval); *compressed (may be NULL) is
  * set to 1 if it did. */
 KVP_API kvp_status kvp_session_compress_if_due(kvp_session* session, int64_t layer,

@@ -24,6 +24,7 @@ enum class Needs : unsigned {
   values = 1u << 1,
   queries = 1u << 2,      // the last `query_window()` queries, post-RoPE
   accumulated = 1u << 3,  // accumulated attention per key (H2O state)
+  reconstruction = 1u << 4,  // context-reconstruction scores per key (kvzip; Session::reconstruct)
 };
 constexpr Needs operator|(Needs a, Needs b) {
   return static_cast<Needs>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
@@ -53,6 +54,9 @@ struct Inputs {
   // contributed to each entry (for normalize=true); both may be null.
   const float* accumulated = nullptr;
   const float* observed = nullptr;
+  // [L][Hkv][T] context-reconstruction scores (kvzip): the largest attention each key received
+  // from the queries of a pass that repeats the context (Session::reconstruct); may be null.
+  const float* reconstruction = nullptr;
   std::int64_t state_stride = 0;  // elements between (layer, head) rows of the state; 0 = T
   GqaReduce reduce = GqaReduce::mean;
   // The model's inverse RoPE frequencies [d/2] (Hugging Face's half-split rotation), for scorers
@@ -120,6 +124,12 @@ void validate(const Inputs<T>& in, Needs needs, std::int64_t query_window = 0) {
     KVP_REQUIRE(in.queries.tokens <= in.keys.tokens, "queries: ", in.queries.tokens,
                 " queries for only ", in.keys.tokens, " keys");
   }
+  if (has(needs, Needs::reconstruction))
+    KVP_REQUIRE(in.reconstruction != nullptr,
+                "context-reconstruction scores are required but none were given: run the "
+                "reconstruction pass first (Session::reconstruct, kvp_session_reconstruct, "
+                "Engine::reconstruct) or pass them (Inputs::reconstruction; Python: "
+                "reconstruction=)");
   if (has(needs, Needs::accumulated))
     KVP_REQUIRE(in.accumulated != nullptr || (in.queries.data != nullptr && in.queries.tokens > 0),
                 "accumulated attention is required (or the queries to compute it) but neither "

@@ -6,8 +6,10 @@
 // The same blockwise kernel (detail::fused_attention) computes the observed-attention column
 // sums that H2O accumulates, in the same pass as the output: Session::attend during an engine's
 // prefill and decode, and cpu::window_attention (kvpolicy::ops::window_attention, the scorers)
-// without values. No T x T buffer exists: a work item holds one strip of at most kRowBlock
-// stacked query rows by the keys they see.
+// without values. It also takes, instead of those sums, the column maxima max_i A[q, i, j] that
+// the context-reconstruction scorer reads (scorers/kvzip.hpp, Session::reconstruct). No T x T
+// buffer exists: a work item holds one strip of at most kRowBlock stacked query rows by the keys
+// they see.
 #pragma once
 #include "kvpolicy/core/eigen.hpp"
 #include <algorithm>
@@ -33,6 +35,10 @@ struct RaggedAttentionArgs {
   float* observed = nullptr;
   std::int64_t state_stride = 0;
   float acc_scale = 1.0f;
+  // Optional context-reconstruction scores, [Hkv][state_stride]: max_attention[h, j] becomes the
+  // largest of itself and A[q, i, j] over the group's query heads and the queries, for j <
+  // lengths[h]. Not together with `accumulate` (one pass keeps one kind of column statistic).
+  float* max_attention = nullptr;
 };
 
 inline constexpr std::int64_t kStripFloats = std::int64_t{4} << 20;  // 16 MiB of fp32 logits
@@ -72,9 +78,11 @@ struct FusedArgs {
   bool causal = false;
   float* out = nullptr;  // optional [L][Hq][n_q][d]; needs values
   // Optional [L * Hkv][g][colsum_stride]: colsum[lh, m, j] = sum_i A[h * g + m, i, j], for
-  // j < len (the rest is left alone); written, not added to.
+  // j < len (the rest is left alone); written, not added to. With colmax, the column maxima
+  // max_i A[h * g + m, i, j] instead.
   float* colsum = nullptr;
   std::int64_t colsum_stride = 0;
+  bool colmax = false;
 };
 
 // Work buffers are Eigen vectors, aligned to EIGEN_MAX_ALIGN_BYTES: Eigen peels the elements
@@ -224,9 +232,14 @@ void fused_blocks(const cpu_backend& be, const KVView<const T>& keys,
         }
         const float inv = 1.0f / exp_row(row, vis, klim, bias);
         inv_sum[r] = inv;
-        if (cs)
-          Eigen::Map<Eigen::ArrayXf>(cs + (r / n) * max_len, vis) +=
-              inv * Eigen::Map<const Eigen::ArrayXf>(row, vis);
+        if (cs) {
+          Eigen::Map<Eigen::ArrayXf> col(cs + (r / n) * max_len, vis);
+          const Eigen::Map<const Eigen::ArrayXf> p(row, vis);
+          if (a.colmax)
+            col = col.max(inv * p);
+          else
+            col += inv * p;
+        }
       }
       if (!a.out) continue;
       // P V tile by tile, tiles in order; masked entries are exact zeros.
@@ -252,7 +265,9 @@ void fused_blocks(const cpu_backend& be, const KVView<const T>& keys,
       const float* src = parts.data() + (lh * chunks * g + m) * max_len;
       std::copy_n(src, len, dst);
       for (std::int64_t c = 1; c < chunks; ++c)
-        for (std::int64_t j = 0; j < len; ++j) dst[j] += src[c * g * max_len + j];
+        for (std::int64_t j = 0; j < len; ++j)
+          dst[j] = a.colmax ? std::max(dst[j], src[c * g * max_len + j])
+                            : dst[j] + src[c * g * max_len + j];
     }
   });
 }
@@ -376,7 +391,7 @@ void fused_split(const cpu_backend& be, const KVView<const T>& keys,
           const float f = w[static_cast<std::size_t>(c)] / total;
           if (f == 0.0f) continue;
           for (std::int64_t j = c * kKeyChunk; j < std::min(len, (c + 1) * kKeyChunk); ++j)
-            cs[j] += f * row[j];
+            cs[j] = a.colmax ? std::max(cs[j], f * row[j]) : cs[j] + f * row[j];
         }
       }
     }
@@ -433,8 +448,11 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
   const std::int64_t g = Hq / Hkv;
   std::int64_t max_len = 0;
   for (std::int64_t h = 0; h < Hkv; ++h) max_len = std::max(max_len, args.lengths[h]);
-  // Per query head column sums [Hkv][g][max_len], summed over the group below.
-  detail::Buffer colsum(args.accumulate ? Hkv * g * max_len : 0);
+  KVP_REQUIRE(!(args.accumulate && args.max_attention),
+              "attention: accumulate and max_attention cannot be taken in one call");
+  // Per query head column sums (or maxima) [Hkv][g][max_len], reduced over the group below.
+  const bool columns = args.accumulate || args.max_attention;
+  detail::Buffer colsum(columns ? Hkv * g * max_len : 0);
   detail::FusedArgs a;
   a.g = g;
   a.lengths = args.lengths;
@@ -442,9 +460,17 @@ void attention(const cpu_backend& be, const KVView<const T>& keys, const KVView<
   a.bias_stride = args.bias_stride;
   a.causal = args.causal;
   a.out = out;
-  a.colsum = args.accumulate ? colsum.data() : nullptr;
+  a.colsum = columns ? colsum.data() : nullptr;
   a.colsum_stride = max_len;
+  a.colmax = args.max_attention != nullptr;
   detail::fused_attention(be, keys, &values, queries, a);
+  if (args.max_attention)
+    for (std::int64_t h = 0; h < Hkv; ++h) {
+      float* mx = args.max_attention + h * args.state_stride;
+      const float* cs = colsum.data() + h * g * max_len;
+      for (std::int64_t j = 0; j < args.lengths[h]; ++j)
+        for (std::int64_t m = 0; m < g; ++m) mx[j] = std::max(mx[j], cs[m * max_len + j]);
+    }
   if (!args.accumulate && !args.observed) return;
   auto visible = [&](std::int64_t len, std::int64_t i) {
     return args.causal ? std::clamp<std::int64_t>(len - nq + i + 1, 0, len) : len;

@@ -124,6 +124,11 @@ class KVPolicyPress(BasePress):
             raise ValueError(f"spec: quantizer '{self.policy.quantizer}' needs kvpolicy's packed "
                              "attention (kvpolicy.Session); transformers' cache stores "
                              "full-precision rows")
+        if "reconstruction" in self.policy.needs:
+            raise ValueError(f"spec: scorer '{self.policy.scorer}' reads the scores of a pass "
+                             "that repeats the context, which KVPolicyPress does not run "
+                             "(kvpress's KVzipPress does; in kvpolicy: Engine.reconstruct, or "
+                             "Session.reconstruct from your own forward pass)")
         self.model_layers = 0
         self._rope: Optional[np.ndarray] = None  # the model's inverse RoPE frequencies
         self._hooked: List[int] = []  # the layers kvpress hooks (Gemma3: not the sliding ones)

@@ -196,6 +196,11 @@ class KVPolicyCache(Cache):
                  fit_storage: bool = True) -> None:
         config = _checked_config(model)
         self.policy = policy if isinstance(policy, Policy) else Policy(policy)
+        if "reconstruction" in self.policy.needs:
+            raise ValueError(f"KVPolicyCache: scorer '{self.policy.scorer}' reads the scores of a "
+                             "pass that repeats the context, which model.generate() does not run "
+                             "(kvpolicy.Session.reconstruct takes that pass's queries, keys and "
+                             "values)")
         self.num_layers = int(config.num_hidden_layers)
         self.q_heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
