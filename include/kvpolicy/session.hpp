@@ -316,7 +316,9 @@ class Session {
     require_finite(q, "q");
     const std::int64_t n = k.tokens, d = cfg_.head_dim;
     const std::int64_t maxlen = *std::max_element(L.lengths.begin(), L.lengths.end());
-    if (maxlen + n > L.capacity) reserve(L, std::max(2 * L.capacity, maxlen + n));
+    // Room for the chunk, exactly (no doubling: the chunk leaves again; reserve(layer, n)
+    // gives the storage back).
+    if (maxlen + n > L.capacity) reserve(L, maxlen + n);
     // The chunk goes, for this call only, after each head's rows (its own log(count) is 0).
     std::vector<std::int64_t> lens = L.lengths;
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h) {

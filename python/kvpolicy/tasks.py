@@ -29,6 +29,12 @@ def _recorder(model: Model, policies: Iterable[str]) -> Engine:
     return Engine(model, FULL, budget=1.0, record_queries=window, record_attention=True)
 
 
+def _reconstruct_if_read(full: Engine, policies: Iterable[str]) -> None:
+    # kvzip's forks copy the scores of one reconstruction pass over the prompt.
+    if any("reconstruction" in Policy(p).needs for p in policies):
+        full.reconstruct()
+
+
 def passkey(model: Model, policies: Sequence[str] = ("snapkv",),
             budgets: Sequence[float] = (0.2,), *, length: int = 1024,
             depths: Sequence[float] = (0.0, 0.5, 1.0), max_new: int = 16,
@@ -41,6 +47,7 @@ def passkey(model: Model, policies: Sequence[str] = ("snapkv",),
         ids, key = _core.passkey_prompt(model._m, length, float(depth), seed)
         full = _recorder(model, policies)
         full.prefill(ids)
+        _reconstruct_if_read(full, policies)
         cells = [("full", 1.0)] + [(p, b) for p in policies for b in budgets]
         for policy, budget in cells:
             e = full.fork(FULL if policy == "full" else policy, budget=budget)
@@ -62,6 +69,7 @@ def fidelity(model: Model, policies: Sequence[str] = ("snapkv",),
     name, prompt, cont = _core.fidelity_text(model._m, text, prompt_tokens, cont_tokens)
     full = _recorder(model, policies)
     full.prefill(prompt)
+    _reconstruct_if_read(full, policies)
     ref = _core.reference_run(full.fork(FULL, budget=1.0)._e, cont)
     rows: List[Dict[str, object]] = []
     for policy in policies:

@@ -44,9 +44,9 @@ def test_missing_model_file():
 
 
 def test_accuracy_tasks(model):
-    rows = kvpolicy.tasks.passkey(model, ["snapkv(window=8)"], budgets=[0.5], length=256,
-                                  depths=[0.5], max_new=10)
-    assert [r["policy"] for r in rows] == ["full", "snapkv(window=8)"]
+    rows = kvpolicy.tasks.passkey(model, ["snapkv(window=8)", "kvzip"], budgets=[0.5],
+                                  length=256, depths=[0.5], max_new=10)
+    assert [r["policy"] for r in rows] == ["full", "snapkv(window=8)", "kvzip"]
     assert rows[0]["correct"] and len(rows[0]["key"]) == 5
     fid = kvpolicy.tasks.fidelity(model, ["knorm"], budgets=[1.0, 0.5], prompt_tokens=96,
                                   cont_tokens=8)

@@ -239,6 +239,7 @@ extern "C" kvp_status kvp_policy_get_info(const kvp_policy* policy, kvp_policy_i
     info.scorer = policy->scorer.c_str();
     if (has(p.needs(), Needs::values)) info.needs |= KVP_NEEDS_VALUES;
     if (has(p.needs(), Needs::queries) || p.query_window() != 0) info.needs |= KVP_NEEDS_QUERIES;
+    if (has(p.needs(), Needs::reconstruction)) info.needs |= KVP_NEEDS_RECONSTRUCTION;
     info.query_window = p.query_window();
     info.decode_time = p.decode_time() ? 1 : 0;
     info.has_merger = p.merger() ? 1 : 0;

@@ -363,7 +363,7 @@ void Engine::reconstruct(ReconstructOptions opt) {
   const Tokenizer& tok = model_.tokenizer();
   // What follows the user message in the chat template (the assistant turn's opener).
   std::string suffix = "\n";
-  if (!tok.chat_template().empty()) {
+  if (tok.chat_template().find("<|im_start|>") != std::string::npos) {  // ChatML (see Tokenizer)
     const std::string mark = "\x01kvpolicy-reconstruct\x01";
     const std::string t = tok.apply_chat_template({{"user", mark}}, true);
     suffix = t.substr(t.find(mark) + mark.size());
@@ -374,20 +374,30 @@ void Engine::reconstruct(ReconstructOptions opt) {
       encode("\n\nRepeat the part of the previous context exactly, starting with");
   const std::vector<std::int32_t> opener = encode(suffix);
   constexpr std::int64_t kOverlap = 8;  // tokens of the previous chunk that cue the next one
+  const std::int64_t L = model_.config().n_layers;
+  std::vector<std::int64_t> capacity(static_cast<std::size_t>(L));
+  for (std::int64_t l = 0; l < L; ++l) capacity[static_cast<std::size_t>(l)] = session_.capacity(l);
   session_.clear_reconstruction();
   std::vector<std::int32_t> ids;
   Engine* self = this;
-  for (std::int64_t s = opt.first; s < position_; s += opt.chunk) {
-    const std::int64_t e = std::min(position_, s + opt.chunk);
-    const auto at = [&](std::int64_t p) { return tokens_.begin() + p; };
-    ids = s == opt.first ? first_prompt : next_prompt;
-    if (s > opt.first) ids.insert(ids.end(), at(std::max(opt.first, s - kOverlap)), at(s));
-    ids.insert(ids.end(), opener.begin(), opener.end());
-    ids.insert(ids.end(), at(s), at(e));
-    const std::span<const std::int32_t> span(ids);
-    forward_multi(std::span<Engine* const>(&self, 1),
-                  std::span<const std::span<const std::int32_t>>(&span, 1), false, true);
+  try {
+    for (std::int64_t s = opt.first; s < position_; s += opt.chunk) {
+      const std::int64_t e = std::min(position_, s + opt.chunk);
+      const auto at = [&](std::int64_t p) { return tokens_.begin() + p; };
+      ids = s == opt.first ? first_prompt : next_prompt;
+      if (s > opt.first) ids.insert(ids.end(), at(std::max(opt.first, s - kOverlap)), at(s));
+      ids.insert(ids.end(), opener.begin(), opener.end());
+      ids.insert(ids.end(), at(s), at(e));
+      const std::span<const std::int32_t> span(ids);
+      forward_multi(std::span<Engine* const>(&self, 1),
+                    std::span<const std::span<const std::int32_t>>(&span, 1), false, true);
+    }
+  } catch (...) {
+    session_.clear_reconstruction();  // no partial pass is left to be read as a whole one
+    throw;
   }
+  // The storage the chunks needed goes back (reserve keeps at least each layer's longest head).
+  for (std::int64_t l = 0; l < L; ++l) session_.reserve(l, capacity[static_cast<std::size_t>(l)]);
 }
 
 void Engine::step_batch(std::span<Engine* const> engines, std::span<const std::int32_t> tokens) {
@@ -491,8 +501,9 @@ Matrix Engine::extend(std::span<const std::int32_t> tokens, bool all_logits) {
   // Compression only after the whole prompt went through, so every prompt token attended the
   // full prompt (as in a one-shot prefill) and the policy sees all of it. A policy that reads
   // context-reconstruction scores (kvzip) gets its pass first, before the first compression.
-  if (has(session_.policy().needs(), Needs::reconstruction) && session_.budgets(0).empty())
-    reconstruct();
+  if (has(session_.policy().needs(), Needs::reconstruction) && session_.budgets(0).empty() &&
+      !session_.reconstructed(0))
+    reconstruct(cfg_.reconstruct);
   compress_now();
   last_logits_.assign(out.row(out.rows() - 1).data(), out.row(out.rows() - 1).data() + out.cols());
   return out;

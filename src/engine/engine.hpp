@@ -25,6 +25,13 @@
 
 namespace kvpolicy::engine {
 
+// Engine::reconstruct's pass (scorers/kvzip.hpp).
+struct ReconstructOptions {
+  std::int64_t chunk = 2048;  // context tokens per chunk (the KVzip authors' and kvpress's 2048)
+  std::int64_t first = 0;     // first position to repeat: after a system prompt, say (kvpress
+                              // repeats the context without the chat template's prefix)
+};
+
 struct EngineConfig {
   std::string policy = "streaming";    // kvpolicy::Policy spec, e.g. "snapkv(window=32) | uniform"
   Budget budget = Budget::ratio(1.0);  // ratio(1.0): keep everything (exact model)
@@ -38,6 +45,8 @@ struct EngineConfig {
   // the policy's defaults (H2O evicts back to its prefill budget at every step).
   std::int64_t decode_interval = 0;
   std::optional<Budget> decode_target;
+  // The reconstruction pass prefill() runs for a policy that reads its scores (kvzip).
+  ReconstructOptions reconstruct{};
 };
 
 // What one layer computed for the tokens of the current forward chunk: post-RoPE queries
@@ -46,13 +55,6 @@ struct EngineConfig {
 struct LayerCapture {
   std::int64_t layer = 0, first_position = 0;
   KVView<const float> q, k, v;
-};
-
-// Engine::reconstruct's pass (scorers/kvzip.hpp).
-struct ReconstructOptions {
-  std::int64_t chunk = 2048;  // context tokens per chunk (the KVzip authors' and kvpress's 2048)
-  std::int64_t first = 0;     // first position to repeat: after a system prompt, say (kvpress
-                              // repeats the context without the chat template's prefix)
 };
 
 // Teacher-forced continuation: logprob[i] = log p(cont[i] | prompt, cont[<i]), argmax[i] the
@@ -124,14 +126,16 @@ class Engine {
   // tokens at positions [first, position()) on top of the cache, in chunks of `chunk` tokens.
   // Chunk c is "\n\nRepeat the previous context exactly." (c = 0) or "\n\nRepeat the part of
   // the previous context exactly, starting with" and the previous chunk's last 8 tokens (c > 0),
-  // then the chat template's assistant opener (the text after the user message; "\n" without
-  // a template), then the chunk's tokens: KVzip's prompts, as kvpress words them. Each layer
-  // hands the chunk's Q/K/V to Session::reconstruct; the chunk is then dropped, so the cache,
-  // position() and last_logits() are unchanged and only the reconstruction scores are new
-  // (earlier ones are cleared). Needs a cache that has not been quantized; run it between
-  // prefill() and compression: an engine whose policy reads the scores (kvzip) runs it inside
-  // prefill() itself, and forks of a recording full-cache engine copy its scores. Memory: one
-  // chunk's activations and attention strips.
+  // then the chat template's assistant opener (the text after the user message of a ChatML
+  // template; "\n" for other templates or none), then the chunk's tokens: KVzip's prompts, as
+  // kvpress words them. Each layer hands the chunk's Q/K/V to Session::reconstruct; the chunk is
+  // then dropped, so the cache, position() and last_logits() are unchanged and only the
+  // reconstruction scores are new (earlier ones are cleared; if the pass fails, none are left).
+  // Needs a cache that has not been quantized; run it between prefill() and compression: an
+  // engine whose policy reads the scores (kvzip) runs it inside prefill() itself (with
+  // EngineConfig::reconstruct), and forks of a recording full-cache engine copy its scores.
+  // Memory: one chunk's activations and attention strips; each layer's storage grows by one
+  // chunk during the pass and is given back after it.
   void reconstruct(ReconstructOptions opt = {});
 
   const Model& model() const { return model_; }

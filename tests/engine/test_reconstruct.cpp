@@ -125,15 +125,15 @@ TEST_CASE("engine: reconstruct scores what a plain forward of the repeat pass at
   // Chunk c repeats ctx[c0, c1): KVzip's first prompt for c = 0, else its second prompt and the
   // previous chunk's last 8 tokens; then the assistant opener and the chunk.
   const auto op = opener();
-  auto expected = [&](std::int64_t chunk) {
+  auto expected = [&](std::int64_t chunk, std::int64_t first) {
     Scores want;
-    for (std::int64_t c0 = 0; c0 < P; c0 += chunk) {
+    for (std::int64_t c0 = first; c0 < P; c0 += chunk) {
       const std::int64_t c1 = std::min(P, c0 + chunk);
       std::vector<std::int32_t> rep =
-          encode(c0 == 0 ? "\n\nRepeat the previous context exactly."
-                         : "\n\nRepeat the part of the previous context exactly, starting with");
-      if (c0 > 0)
-        rep.insert(rep.end(), ctx.begin() + std::max<std::int64_t>(0, c0 - 8), ctx.begin() + c0);
+          encode(c0 == first ? "\n\nRepeat the previous context exactly."
+                             : "\n\nRepeat the part of the previous context exactly, starting with");
+      if (c0 > first)  // the cue never reaches before `first`
+        rep.insert(rep.end(), ctx.begin() + std::max(first, c0 - 8), ctx.begin() + c0);
       rep.insert(rep.end(), op.begin(), op.end());
       rep.insert(rep.end(), ctx.begin() + c0, ctx.begin() + c1);
       const Scores s = naive_scores(ctx, rep);
@@ -145,9 +145,12 @@ TEST_CASE("engine: reconstruct scores what a plain forward of the repeat pass at
     }
     return want;
   };
+  std::vector<std::int64_t> capacity;
+  for (std::int64_t l = 0; l < model().config().n_layers; ++l)
+    capacity.push_back(e.session().capacity(l));
   SECTION("one chunk") {
     e.reconstruct({4096, 0});
-    const double err = max_error(e, expected(4096));
+    const double err = max_error(e, expected(4096, 0));
     INFO("max |score - naive| = " << err);
     CHECK(err < 2e-4);
   }
@@ -155,10 +158,19 @@ TEST_CASE("engine: reconstruct scores what a plain forward of the repeat pass at
     const std::int64_t chunk = (P + 2) / 3;
     REQUIRE(chunk >= 8);
     e.reconstruct({chunk, 0});
-    const double err = max_error(e, expected(chunk));
+    const double err = max_error(e, expected(chunk, 0));
     INFO("max |score - naive| = " << err);
     CHECK(err < 2e-4);
   }
+  SECTION("from position 11 on, in chunks of 5 (cues clamped at `first`)") {
+    e.reconstruct({5, 11});
+    const double err = max_error(e, expected(5, 11));
+    INFO("max |score - naive| = " << err);
+    CHECK(err < 2e-4);
+  }
+  // The storage the chunks needed was given back.
+  for (std::int64_t l = 0; l < model().config().n_layers; ++l)
+    CHECK(e.session().capacity(l) == capacity[static_cast<std::size_t>(l)]);
 }
 
 TEST_CASE("engine: reconstruct changes nothing but the scores, and kvzip engines and forks agree",

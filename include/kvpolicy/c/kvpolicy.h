@@ -124,6 +124,9 @@ KVP_API kvp_compress_params kvp_compress_default_params(void);
 /* What a plug-in reads, besides the keys it always gets (bit flags). */
 #define KVP_NEEDS_VALUES 2u
 #define KVP_NEEDS_QUERIES 4u
+/* kvp_policy_info only (a plug-in cannot ask for it): context-reconstruction scores, which only a
+ * session holds (kvp_session_reconstruct; the kvzip scorer). */
+#define KVP_NEEDS_RECONSTRUCTION 16u
 
 typedef struct kvp_score_args {
   kvp_tensor keys;    /* [L][Hkv][T][d], the caller's dtype */

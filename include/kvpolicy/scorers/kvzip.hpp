@@ -22,6 +22,9 @@
 //   no second scoring kernel). kvpress normalises over a subset: the first n_sink keys, the cache
 //   keys of the chunk being repeated and the repeat tokens, so a chunk scores only its own part
 //   of the cache and its scores are larger. Kept sets therefore differ from kvpress's.
+// - Tokens before the repeated span (Engine::reconstruct's `first`: a chat header) are not
+//   repeated but still score the attention the repeat queries give them; kvpress scores them 0
+//   beyond its n_sink first tokens.
 // - sinks=4 (kvpress's n_sink): the first tokens are always kept (they count toward the budget).
 // - recent=0: tokens appended after the pass score 0 (nothing reconstructed them). With
 //   decode-time compression, keep the newest ones with recent=N or run the pass again.
