@@ -393,6 +393,17 @@ extern "C" kvp_status kvp_session_append(kvp_session* session, int64_t layer, co
   });
 }
 
+namespace {
+// out of kvp_session_attend / kvp_session_reconstruct: [Hq][n][d] floats for the queries qv.
+void require_attention_out(const KVView<const float>& qv, size_t out_len) {
+  const auto need = static_cast<std::size_t>(qv.heads * qv.tokens * qv.dim);
+  if (out_len < need)
+    raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(out_len) +
+                                          " floats but the attention output needs " +
+                                          std::to_string(need) + " (Hq * n * d)");
+}
+}  // namespace
+
 extern "C" kvp_status kvp_session_attend(kvp_session* session, int64_t layer, const kvp_tensor* q,
                                          float* out, size_t out_len) {
   return guard([&] {
@@ -401,11 +412,7 @@ extern "C" kvp_status kvp_session_attend(kvp_session* session, int64_t layer, co
     KVP_C_NONNULL(out, "out");
     check_layer(session, layer);
     const KVView<const float> qv = view_of<const float>(*q, "q");
-    const auto need = static_cast<std::size_t>(qv.heads * qv.tokens * qv.dim);
-    if (out_len < need)
-      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(out_len) +
-                                            " floats but the attention output needs " +
-                                            std::to_string(need) + " (Hq * n * d)");
+    require_attention_out(qv, out_len);
     require_finite(qv, "q");
     session->session.attend(layer, qv, out);
   });
@@ -424,11 +431,7 @@ extern "C" kvp_status kvp_session_reconstruct(kvp_session* session, int64_t laye
     const KVView<const float> kv = view_of<const float>(*k, "k");
     const KVView<const float> vv = view_of<const float>(*v, "v");
     const KVView<const float> qv = view_of<const float>(*q, "q");
-    const auto need = static_cast<std::size_t>(qv.heads * qv.tokens * qv.dim);
-    if (out_len < need)
-      raise(KVP_ERROR_BUFFER_TOO_SMALL, "kvpolicy: out holds " + std::to_string(out_len) +
-                                            " floats but the attention output needs " +
-                                            std::to_string(need) + " (Hq * n * d)");
+    require_attention_out(qv, out_len);
     session->session.reconstruct(layer, kv, vv, qv, out);
   });
 }
