@@ -256,6 +256,15 @@ const kvp_compress_params* make_params(Ctx& c) {
   p->budget = make_budget(c);
   p->compact = c.fdp.ConsumeIntegralInRange<int>(0, 4) == 0 ? 0 : 1;
   p->threads = static_cast<int>(pick_int(c.fdp, -1, 2));
+  if (c.fdp.ConsumeIntegralInRange<int>(0, 7) == 0) {  // a one-rank shard with fuzzed numbers
+    auto* s = c.arena.alloc_n<kvp_head_shard>(1);
+    *s = kvp_head_shard{};
+    s->rank = pick_int(c.fdp, -1, 1);
+    s->ranks = pick_int(c.fdp, 0, 1);
+    s->first_head = pick_int(c.fdp, -1, 4);
+    s->model_heads = c.fdp.ConsumeBool() ? pick_int(c.fdp, -1, 8) : c.fdp.ConsumeIntegral<std::int64_t>();
+    p->shard = s;
+  }
   return p;
 }
 

@@ -40,6 +40,10 @@ struct EventInfo {
   // compacts it with K/V after the selection, like the H2O accumulators.
   float* alloc_state = nullptr;
   std::int64_t alloc_state_stride = 0;  // 0: tokens
+  // Tensor parallelism: the event holds this rank's share of the model's KV heads, and the
+  // stages that combine heads exchange data through the shard's all-gather
+  // (core/head_shard.hpp). Null: the event holds every KV head.
+  const HeadShard* shard = nullptr;
 };
 
 // What an allocator sees. `scores` is mutable so that a token-level allocator (ams) can steer the
@@ -56,6 +60,10 @@ struct AllocContext {
   // The event's CPU threads, for allocators that split their work over rows (adakv); null: the
   // calling thread only. The budgets must not depend on it.
   const cpu_backend* backend = nullptr;
+  // Set when the event holds one rank's share of the KV heads and the chain combines heads
+  // (see EventInfo::shard); null otherwise. An allocator that compares heads (adakv) reduces
+  // across ranks through it; heads() is then this rank's.
+  const HeadShard* shard = nullptr;
 
   std::int64_t layers() const { return scores ? scores->layers() : 0; }
   std::int64_t heads() const { return scores ? scores->heads() : 0; }
@@ -102,6 +110,14 @@ constexpr bool alloc_stateful() {
   if constexpr (requires { A::stateful; }) return A::stateful;
   return false;
 }
+// Stages that combine KV heads (compare or average them) declare `static constexpr bool
+// spans_heads = true`: under tensor parallelism they exchange data across ranks
+// (core/head_shard.hpp).
+template <class S>
+constexpr bool spans_heads() {
+  if constexpr (requires { S::spans_heads; }) return S::spans_heads;
+  return false;
+}
 template <class A>
 Protect alloc_protects(const A& a) {
   if constexpr (requires { a.protects(); }) return a.protects();
@@ -116,6 +132,7 @@ struct AllocRequirements {
   std::vector<std::int64_t> windows;   // every window a stage reads (GQA-mean window attention)
   Protect protect;                     // union of the stages' own protected tokens
   bool state = false;                  // some stage keeps per-token state (EventInfo)
+  bool spans_heads = false;            // some stage combines KV heads (EventInfo::shard)
   std::string order_error;             // non-empty: the chain breaks layers -> heads -> segments
 
   template <class A>
@@ -127,6 +144,7 @@ struct AllocRequirements {
       windows.push_back(w);
     }
     state = state || detail::alloc_stateful<A>();
+    spans_heads = spans_heads || detail::spans_heads<A>();
     const Protect p = detail::alloc_protects(a);
     protect.sinks = std::max(protect.sinks, p.sinks);
     protect.recent = std::max(protect.recent, p.recent);

@@ -6,6 +6,7 @@
 #include "kvpolicy/core/budget.hpp"
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/head_shard.hpp"
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"

@@ -32,25 +32,71 @@ inline void check_event_layers(const EventInfo& ev, std::int64_t layers) {
               ") do not fit a model of ", ev.model_layers, " layers");
 }
 
+// Per-(layer, head) budgets of an event holding heads [first_head, first_head + heads) of the
+// model's (core/head_shard.hpp): the model's uniform split, this rank's part of it.
+inline std::vector<std::int64_t> resolve_budgets(const Budget& budget, std::int64_t layers,
+                                                 std::int64_t heads, std::int64_t tokens,
+                                                 const HeadShard* shard) {
+  const std::int64_t hm = model_heads(shard, heads), h0 = first_head(shard);
+  if (hm == heads) return budget.resolve(layers, heads, tokens);
+  // Budget::resolve over the model's rows without materializing them: floor(G / rows) each,
+  // one more for the first G % rows rows.
+  const std::int64_t rows = layers * hm, g = budget.global(layers, hm, tokens);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(layers * heads));
+  for (std::int64_t l = 0; l < layers; ++l)
+    for (std::int64_t h = 0; h < heads; ++h)
+      out[static_cast<std::size_t>(l * heads + h)] =
+          rows ? g / rows + (l * hm + h0 + h < g % rows ? 1 : 0) : 0;
+  return out;
+}
+
+// A kvpolicy::Error's message without its "kvpolicy: " prefix.
+inline std::string error_text(const Error& e) {
+  const std::string_view w = e.what(), prefix = "kvpolicy: ";
+  return std::string(w.substr(0, prefix.size()) == prefix ? w.substr(prefix.size()) : w);
+}
+
 // One compression event's selection: validate inputs, resolve the budget, score, let the
 // allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain;
-// `req` is what that chain reads (merged over its stages), `ev` where the event sits.
+// `req` is what that chain reads (merged over its stages), `ev` where the event sits. Under
+// tensor parallelism (ev.shard) with a chain that combines heads, every rank's checks are agreed
+// on before the first exchange (detail::agree), so a failure on one rank is raised on all.
 template <class S, Element T, class AllocateFn>
 Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& allocate,
-                        const AllocRequirements& req, const Inputs<T>& in, const Budget& budget,
+                        const AllocRequirements& req, const Inputs<T>& given, const Budget& budget,
                         Stats& stats, ScoreMap* scores_out, const EventInfo& ev = {},
                         Protect* protect_out = nullptr) {
-  KVP_REQUIRE(req.order_error.empty(), req.order_error);
-  validate(in, scorer.needs() | req.needs, std::max(scorer.query_window(), req.window));
-  const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
-  check_event_layers(ev, L);
-  KVP_REQUIRE(ev.alloc_state_stride == 0 || ev.alloc_state_stride >= Tk, "alloc_state_stride ",
-              ev.alloc_state_stride, " is below the ", Tk, " tokens of the event");
-  std::vector<std::int64_t> budgets = budget.resolve(L, H, Tk);
-  const std::int64_t per_row = (L * H > 0) ? budget.global(L, H, Tk) / (L * H) : 0;
-  const Protect own = scorer.protect(Tk, per_row);
-  Protect protect{std::max(own.sinks, req.protect.sinks),
-                  std::max(own.recent, req.protect.recent)};
+  const HeadShard* shard = ev.shard;
+  const bool spans = spans_heads<S>() || req.spans_heads;
+  const bool exchanges = sharded(shard) && spans;
+  if (exchanges) require_all_gather(*shard);
+  const std::int64_t L = given.layers(), H = given.kv_heads(), Tk = given.tokens();
+  std::vector<std::int64_t> budgets;
+  Protect protect, own;
+  std::string error;
+  try {
+    if (shard) check_shard(*shard, H);
+    KVP_REQUIRE(req.order_error.empty(), req.order_error);
+    validate(given, scorer.needs() | req.needs, std::max(scorer.query_window(), req.window));
+    check_event_layers(ev, L);
+    KVP_REQUIRE(ev.alloc_state_stride == 0 || ev.alloc_state_stride >= Tk, "alloc_state_stride ",
+                ev.alloc_state_stride, " is below the ", Tk, " tokens of the event");
+    budgets = resolve_budgets(budget, L, H, Tk, shard);
+    const std::int64_t rows = L * model_heads(shard, H);
+    const std::int64_t per_row = rows > 0 ? budget.global(L, model_heads(shard, H), Tk) / rows : 0;
+    own = scorer.protect(Tk, per_row);
+    protect = {std::max(own.sinks, req.protect.sinks), std::max(own.recent, req.protect.recent)};
+  } catch (const Error& e) {
+    if (!exchanges) throw;
+    error = error_text(e);
+  }
+  bool evicts = false;
+  for (std::int64_t b : budgets) evicts = evicts || b < Tk;
+  // Ranks that exchange must all score, or none (a rank that returned early would leave the
+  // others waiting).
+  if (exchanges) evicts = agree(*shard, error, H, Tk, evicts || scores_out);
+  Inputs<T> in = given;
+  in.shard = exchanges ? shard : nullptr;
   // A budget below the protected window (snapkv's 64 queries' window at a small budget, a short
   // prompt) keeps what fits of it: the newest tokens first, then the sinks. The selection says so
   // in its warning.
@@ -76,8 +122,6 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   if (protect_out) *protect_out = protect;
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;
-  bool evicts = false;
-  for (std::int64_t b : budgets) evicts = evicts || b < Tk;
   if (!evicts && !scores_out) return Selection::all(L, H, Tk);  // keep everything, no scoring
   scorer.score(be, in, stats, scores);
   for (std::int64_t w : req.windows)
@@ -94,6 +138,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   ctx.state = ev.alloc_state;
   ctx.state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : Tk;
   ctx.backend = &be;
+  ctx.shard = in.shard;
   allocate(ctx, std::span<std::int64_t>(budgets));
   Selection sel;
   cpu::select(be, scores, budgets, protect, sel);
@@ -154,6 +199,10 @@ class Pipeline {
   explicit Pipeline(S scorer, As... allocators) : scorer_(scorer), allocators_(allocators...) {}
 
   const S& scorer() const { return scorer_; }
+  // True when a stage combines KV heads; see Policy::spans_heads().
+  static constexpr bool spans_heads() {
+    return detail::spans_heads<S>() || (detail::spans_heads<As>() || ...);
+  }
 
   // Kept token indices per (layer, KV head). `scores`, if given, receives the scores the
   // selection used (the scorer's output, with non-candidates at -inf after a token-level

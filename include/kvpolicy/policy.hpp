@@ -161,6 +161,15 @@ class Policy {
     return {std::max(p.sinks, req_.protect.sinks), std::max(p.recent, req_.protect.recent)};
   }
   const std::vector<AnyAllocator>& allocators() const { return allocators_; }
+  // True when a stage combines KV heads (adakv, tova, expected): under tensor parallelism over
+  // KV heads the ranks then exchange data through EventInfo::shard's all-gather
+  // (core/head_shard.hpp); other policies run on each rank's heads alone.
+  bool spans_heads() const {
+    if (keep_all_) return false;
+    return req_.spans_heads ||
+           std::visit([](const auto& s) { return detail::spans_heads<std::decay_t<decltype(s)>>(); },
+                      scorer_);
+  }
   // True when an allocator keeps per-token state across events (ams credit): the owner of the
   // cache should then pass EventInfo::alloc_state and compact it with K/V.
   bool alloc_state() const { return req_.state; }
@@ -257,9 +266,11 @@ class Policy {
     validate(in, Needs::none, 0);
     const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
     detail::check_event_layers(ev, L);
-    const std::int64_t kept = budget.global(L, H, Tk);
-    KVP_REQUIRE(kept >= L * H * Tk, "policy '", spec_, "' has no scorer and keeps every token; ",
-                "the budget keeps ", kept, " of ", L * H * Tk,
+    if (ev.shard) detail::check_shard(*ev.shard, H);
+    const std::int64_t Hm = detail::model_heads(ev.shard, H);
+    const std::int64_t kept = budget.global(L, Hm, Tk);
+    KVP_REQUIRE(kept >= L * Hm * Tk, "policy '", spec_, "' has no scorer and keeps every token; ",
+                "the budget keeps ", kept, " of ", L * Hm * Tk,
                 " (to evict, put a scorer first, e.g. 'snapkv | ", spec_, "')");
     if (protect) *protect = {};
     if (scores) scores->resize(L, H, Tk, 0.0f);

@@ -9,7 +9,7 @@
 """
 
 from ._engine import Engine, Model, Tokenizer, default_model_path
-from ._policy import CompressResult, Policy
+from ._policy import CompressResult, HeadShard, Policy
 from ._quant import PackedCache, Quantizer, packed_attention
 from ._session import Session
 from . import tasks
@@ -17,6 +17,6 @@ from . import tasks
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressResult", "Engine", "Model", "PackedCache", "Policy", "Quantizer", "Session",
+    "CompressResult", "Engine", "HeadShard", "Model", "PackedCache", "Policy", "Quantizer", "Session",
     "Tokenizer", "default_model_path", "packed_attention", "tasks", "__version__",
 ]

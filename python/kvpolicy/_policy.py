@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -46,6 +46,40 @@ class CompressResult:
         if head is None:
             raise TypeError("kept: call kept(layer, head)")
         return self.indices[layer, head, : self.counts[layer, head]]
+
+
+@dataclass
+class HeadShard:
+    """Tensor parallelism over KV heads: this rank holds heads ``[first_head, first_head + H)``
+    of the model's ``model_heads`` (H: the heads of the cache you pass), and ranks
+    ``0 .. ranks-1`` hold ascending, contiguous ranges. Every rank calls ``select`` /
+    ``compress`` with the same policy and budget and keeps exactly what one call over every head
+    keeps for its heads. Policies whose stages combine heads (``Policy.spans_heads``: adakv,
+    tova, expected) exchange a few numbers through ``all_gather``, your communicator:
+    ``all_gather(data: bytes) -> bytes`` returns every rank's ``data`` (the same length on every
+    rank) concatenated in rank order; anything ``memoryview`` accepts will do (bytes, a numpy
+    array). With torch.distributed::
+
+        def all_gather(data):
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            out = torch.empty(len(data) * world, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(out, t)
+            return out.cpu().numpy()
+
+    ``all_gather`` may be None for policies that combine no heads. An error in one rank's
+    arguments is raised on every rank. Bytes exchanged per event: README, "Tensor
+    parallelism"."""
+
+    rank: int
+    ranks: int
+    first_head: int
+    model_heads: int
+    all_gather: Optional[Callable[[bytes], Any]] = None
+
+    def _args(self) -> tuple:
+        fn = self.all_gather
+        return (self.rank, self.ranks, self.first_head, self.model_heads,
+                None if fn is None else (lambda data: bytes(memoryview(fn(data)))))
 
 
 class Policy:
@@ -98,6 +132,12 @@ class Policy:
         'reconstruction'}."""
         return frozenset(n for n in self._p.needs.split(",") if n)
 
+    @property
+    def spans_heads(self) -> bool:
+        """True when a stage combines KV heads (adakv, tova, expected): under tensor parallelism
+        (``shard=``) the ranks then exchange data through ``HeadShard.all_gather``."""
+        return self._p.spans_heads
+
     def __repr__(self) -> str:
         return f"Policy({self.spec!r})"
 
@@ -106,7 +146,7 @@ class Policy:
                budget_total: Optional[int] = None, accumulated: Any = None,
                observed: Any = None, reconstruction: Any = None, return_scores: bool = False,
                first_layer: int = 0, model_layers: int = 0,
-               rope_inv_freq: Any = None) -> CompressResult:
+               rope_inv_freq: Any = None, shard: Optional[HeadShard] = None) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
@@ -117,19 +157,20 @@ class Policy:
         the model, for layer allocators (pyramid, depthkv) when a model is compressed one layer
         at a time (0: the cache holds every layer). ``rope_inv_freq``: the model's inverse RoPE
         frequencies ``[head_dim // 2]`` for scorers that rotate queries to future positions
-        (``expected``; otherwise its spec needs ``theta=``)."""
+        (``expected``; otherwise its spec needs ``theta=``). ``shard``: this rank's share of
+        the model's KV heads under tensor parallelism (see ``HeadShard``)."""
         return self._run(keys, values, queries, (accumulated, observed, reconstruction), budget,
                          budget_tokens, budget_total, compact=False, inplace=False,
                          scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
-                         rope_inv_freq=rope_inv_freq)
+                         rope_inv_freq=rope_inv_freq, shard=shard)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
                  accumulated: Any = None, observed: Any = None, reconstruction: Any = None,
                  inplace: bool = True, return_scores: bool = False,
                  first_layer: int = 0, model_layers: int = 0,
-                 rope_inv_freq: Any = None) -> CompressResult:
+                 rope_inv_freq: Any = None, shard: Optional[HeadShard] = None) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
         move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
@@ -139,11 +180,11 @@ class Policy:
                          budget_tokens, budget_total, compact=True, inplace=inplace,
                          scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
-                         rope_inv_freq=rope_inv_freq)
+                         rope_inv_freq=rope_inv_freq, shard=shard)
 
     def _run(self, keys, values, queries, state, budget, budget_tokens, budget_total, *,
              compact, inplace, scores, first_layer, model_layers,
-             rope_inv_freq=None) -> CompressResult:
+             rope_inv_freq=None, shard=None) -> CompressResult:
         kind, value = budget_args(budget, budget_tokens, budget_total)
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
@@ -161,7 +202,8 @@ class Policy:
         freqs = [] if rope_inv_freq is None else \
             np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
         idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, rec, kind, value, first_layer,
-                                                model_layers, compact, scores, freqs)
+                                                model_layers, compact, scores, freqs,
+                                                None if shard is None else shard._args())
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=3)
         width = idx.shape[2]

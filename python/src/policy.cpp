@@ -2,7 +2,9 @@
 // The Python wrapper (kvpolicy/_policy.py) resolves the budget arguments, lifts 3-d caches and
 // copies for inplace=False; here arrays are viewed without copying and the GIL is released while
 // the library works.
+#include <cstring>
 #include <optional>
+#include <string>
 
 #include <pybind11/stl.h>
 
@@ -86,9 +88,38 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
   return in;
 }
 
+// A Python all-gather behind HeadShard::all_gather: fn(bytes) returns every rank's bytes
+// concatenated in rank order (ranks * len bytes) as bytes. Its exception, if any, is kept for
+// the error message.
+struct PyGather {
+  py::object fn;
+  std::int64_t ranks = 1;
+  std::string error;
+
+  static int call(void* user, const void* send, void* recv, std::size_t bytes) {
+    auto& g = *static_cast<PyGather*>(user);
+    py::gil_scoped_acquire gil;
+    try {
+      // (The Python wrapper turns what the engine's function returns into bytes.)
+      const auto r = g.fn(py::bytes(static_cast<const char*>(send), bytes)).cast<std::string>();
+      const std::size_t want = bytes * static_cast<std::size_t>(g.ranks);
+      if (r.size() != want) {
+        g.error = kvpolicy::detail::cat("all_gather returned ", r.size(), " bytes, expected ",
+                                        want, " (", g.ranks, " ranks x ", bytes, ")");
+        return 1;
+      }
+      if (want) std::memcpy(recv, r.data(), want);
+      return 0;
+    } catch (const std::exception& e) {
+      g.error = e.what();
+      return 1;
+    }
+  }
+};
+
 template <class T>
 py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpolicy::EventInfo& ev,
-              bool compact, bool scores) {
+              bool compact, bool scores, PyGather* gather) {
   kvpolicy::KVView<T> k, v;
   const kvpolicy::Inputs<T> in = inputs_of<T>(c, compact, k, v);
   kvpolicy::Selection sel;
@@ -97,7 +128,12 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpoli
     py::gil_scoped_release nogil;
     const kvpolicy::cpu_backend be{};
     kvpolicy::detail::require_finite_inputs(in);
-    sel = p.select(be, in, budget, ev, scores ? &map : nullptr);
+    try {
+      sel = p.select(be, in, budget, ev, scores ? &map : nullptr);
+    } catch (const kvpolicy::Error& e) {
+      if (!gather || gather->error.empty()) throw;
+      throw kvpolicy::Error(kvpolicy::detail::error_text(e) + ": " + gather->error);
+    }
     if (compact) kvpolicy::detail::compact_kv(be, k, v, sel);
   }
   py::tuple out = selection_arrays(sel);
@@ -114,7 +150,7 @@ py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& va
                    const py::handle& queries, const py::handle& accumulated,
                    const py::handle& observed, const py::handle& reconstruction, char kind,
                    double value, std::int64_t first_layer, std::int64_t model_layers, bool compact,
-                   bool scores, std::vector<float> rope_inv_freq) {
+                   bool scores, std::vector<float> rope_inv_freq, const py::object& shard) {
   Call c = arrays_of(keys, values, queries, accumulated, observed, reconstruction);
   c.rope_inv_freq = std::move(rope_inv_freq);
   if (compact && !c.values) value_error("values: compress needs the values to compact");
@@ -122,9 +158,26 @@ py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& va
   kvpolicy::EventInfo ev;
   ev.first_layer = first_layer;
   ev.model_layers = model_layers;
+  // shard: None, or (rank, ranks, first_head, model_heads, all_gather or None).
+  kvpolicy::HeadShard hs;
+  PyGather gather;
+  if (!shard.is_none()) {
+    const auto t = shard.cast<py::tuple>();
+    hs.rank = t[0].cast<std::int64_t>();
+    hs.ranks = t[1].cast<std::int64_t>();
+    hs.first_head = t[2].cast<std::int64_t>();
+    hs.model_heads = t[3].cast<std::int64_t>();
+    if (!t[4].is_none()) {
+      gather.fn = t[4];
+      gather.ranks = hs.ranks;
+      hs.all_gather = &PyGather::call;
+      hs.user = &gather;
+    }
+    ev.shard = &hs;
+  }
   return cache_dtype(c.keys, "keys") == kvpolicy::DType::f32
-             ? run<float>(p, c, budget, ev, compact, scores)
-             : run<kvpolicy::half>(p, c, budget, ev, compact, scores);
+             ? run<float>(p, c, budget, ev, compact, scores, &gather)
+             : run<kvpolicy::half>(p, c, budget, ev, compact, scores, &gather);
 }
 
 std::string needs_names(kvpolicy::Needs n) {
@@ -165,12 +218,13 @@ void bind_policy(py::module_& m) {
       .def_property_readonly("query_window", &Policy::query_window)
       .def_property_readonly("needs", [](const Policy& p) { return needs_names(p.needs()); })
       .def_property_readonly("decode_time", &Policy::decode_time)
+      .def_property_readonly("spans_heads", &Policy::spans_heads)
       .def("__repr__", [](const Policy& p) { return "Policy('" + p.spec() + "')"; })
       .def("_run", &dispatch, py::arg("keys"), py::arg("values"), py::arg("queries"),
            py::arg("accumulated"), py::arg("observed"), py::arg("reconstruction"), py::arg("kind"),
            py::arg("value"), py::arg("first_layer"),
            py::arg("model_layers"), py::arg("compact"),
-           py::arg("scores"), py::arg("rope_inv_freq"));
+           py::arg("scores"), py::arg("rope_inv_freq"), py::arg("shard"));
 }
 
 }  // namespace kvpy

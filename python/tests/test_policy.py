@@ -327,3 +327,100 @@ def test_kvzip_with_given_reconstruction_scores(rng):
                                           np.sort(np.r_[0:4, best]))
     with pytest.raises(ValueError, match="reconstruction: shape"):
         p.select(k, budget_tokens=10, reconstruction=rec[:, :, :5])
+
+
+class _Group:
+    """An in-memory all-gather among threads that stand for tensor-parallel ranks."""
+
+    def __init__(self, ranks):
+        import threading
+        self.ranks = ranks
+        self.parts = [None] * ranks
+        self.barrier = threading.Barrier(ranks, timeout=20)
+
+    def member(self, rank):
+        def all_gather(data):
+            self.parts[rank] = bytes(data)
+            self.barrier.wait()
+            out = b"".join(self.parts)
+            self.barrier.wait()  # every rank has read the parts before the next call writes
+            return np.frombuffer(out, dtype=np.uint8)  # anything memoryview takes
+        return all_gather
+
+
+def _run_ranks(spec, k, v, q, split, **kw):
+    import threading
+    group, results, errors = _Group(len(split)), [None] * len(split), [None] * len(split)
+    starts = np.cumsum([0] + list(split))
+    g = q.shape[1] // k.shape[1]
+
+    def rank(r):
+        h0, h1 = starts[r], starts[r + 1]
+        shard = kvpolicy.HeadShard(r, len(split), int(h0), k.shape[1], group.member(r))
+        try:
+            results[r] = kvpolicy.Policy(spec).select(k[:, h0:h1], v[:, h0:h1], q[:, h0 * g:h1 * g],
+                                                      shard=shard, return_scores=True, **kw)
+        except ValueError as e:
+            errors[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(split))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
+@pytest.mark.parametrize("spec", ["snapkv(window=8) | adakv", "tova | pyramid(beta=2) | adakv(alpha=0)",
+                                  "expected(window=8,theta=10000) | adakv", "knorm | ams(window=8,min_seg_len=4)"])
+def test_head_shard_ranks_keep_what_one_call_keeps(rng, spec):
+    k, v = cache(rng, L=2, H=3, T=160)
+    q = rng.standard_normal((2, 9, 8, k.shape[-1])).astype(np.float32)
+    one = kvpolicy.Policy(spec).select(k, v, q, budget=0.3, return_scores=True)
+    assert kvpolicy.Policy(spec).spans_heads == ("adakv" in spec or "tova" in spec or "expected" in spec)
+    for split in ([2, 1], [1, 1, 1]):
+        res, err = _run_ranks(spec, k, v, q, split, budget=0.3)
+        assert err == [None] * len(split)
+        h0 = 0
+        for r, n in enumerate(split):
+            for l in range(2):
+                for h in range(n):
+                    np.testing.assert_array_equal(res[r].kept(l, h), one.kept(l, h0 + h))
+                    np.testing.assert_array_equal(res[r].scores[l, h], one.scores[l, h0 + h])
+            h0 += n
+
+
+def test_head_shard_errors_reach_every_rank(rng):
+    k, v = cache(rng, L=2, H=3, T=40)
+    q = rng.standard_normal((2, 9, 4, k.shape[-1])).astype(np.float32)
+    # Rank 1 holds heads [1, 3) but claims to start at 2: every rank reports the gap.
+    import threading
+    group, errors = _Group(2), [None, None]
+
+    def rank(r):
+        shard = kvpolicy.HeadShard(r, 2, 0 if r == 0 else 2, 3, group.member(r))
+        h0, h1 = (0, 1) if r == 0 else (1, 3)
+        try:
+            kvpolicy.Policy("knorm | adakv").select(k[:, h0:h1], v[:, h0:h1], shard=shard, budget=0.3)
+        except ValueError as e:
+            errors[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        assert e is not None and "heads [2, 4) of rank 1 do not fit the model's 3 KV heads" in e
+    assert "rank 1 failed its checks" in errors[0]
+    # A Python all_gather that raises: its message is part of the error.
+    def broken(data):
+        raise RuntimeError("communicator down")
+    with pytest.raises(ValueError, match="communicator down"):
+        kvpolicy.Policy("knorm | adakv").select(k[:, :1], v[:, :1], budget=0.3,
+                                                shard=kvpolicy.HeadShard(0, 2, 0, 3, broken))
+    # A policy that combines no heads needs no all_gather.
+    r = kvpolicy.Policy("knorm").select(k[:, 1:], v[:, 1:], budget=0.3,
+                                        shard=kvpolicy.HeadShard(1, 2, 1, 3))
+    one = kvpolicy.Policy("knorm").select(k, v, budget=0.3)
+    np.testing.assert_array_equal(r.kept(0, 0), one.kept(0, 1))

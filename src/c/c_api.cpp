@@ -74,6 +74,7 @@ extern "C" kvp_compress_params kvp_compress_default_params(void) {
   p.budget = {KVP_BUDGET_RATIO, 0.5};
   p.compact = 1;
   p.threads = 0;
+  p.shard = nullptr;
   return p;
 }
 
@@ -244,6 +245,7 @@ extern "C" kvp_status kvp_policy_get_info(const kvp_policy* policy, kvp_policy_i
     info.decode_time = p.decode_time() ? 1 : 0;
     info.has_merger = p.merger() ? 1 : 0;
     info.has_quantizer = p.quantizer() ? 1 : 0;
+    info.spans_heads = p.spans_heads() ? 1 : 0;
     *out = info;
   });
 }
@@ -315,7 +317,18 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
       check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
       detail::require_finite_inputs(in);
       const cpu_backend be{prm.threads};
-      Selection sel = p.select(be, in, budget);
+      HeadShard shard;
+      EventInfo ev;
+      if (prm.shard) {
+        shard.rank = prm.shard->rank;
+        shard.ranks = prm.shard->ranks;
+        shard.first_head = prm.shard->first_head;
+        shard.model_heads = prm.shard->model_heads;
+        shard.all_gather = prm.shard->all_gather;
+        shard.user = prm.shard->user;
+        ev.shard = &shard;
+      }
+      Selection sel = p.select(be, in, budget, ev);
       if (prm.compact) detail::compact_kv(be, k, v, sel);
       write_selection(sel, *out);
       set_warning(sel.warning());

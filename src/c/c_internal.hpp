@@ -154,6 +154,14 @@ inline const kvp_compress_params& params_or_default(const kvp_compress_params* p
   return *p;
 }
 
+// Tensor parallelism (kvp_compress_params.shard) is served by kvp_compress only.
+inline void require_no_shard(const kvp_compress_params& p, const char* call) {
+  if (p.shard)
+    raise(KVP_ERROR_UNSUPPORTED, std::string("kvpolicy: ") + call +
+                                     ": params.shard (tensor parallelism over KV heads) is "
+                                     "supported by kvp_compress only");
+}
+
 inline void require_policy_stages_dense(const Policy& p, const char* call) {
   if (p.merger() || p.quantizer())
     raise(KVP_ERROR_UNSUPPORTED,

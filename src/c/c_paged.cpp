@@ -39,6 +39,7 @@ extern "C" kvp_status kvp_compress_batch(const kvp_policy* policy, const kvp_com
     KVP_REQUIRE(num_seqs == 0 || seqs, "seqs is NULL but num_seqs is ", num_seqs);
     kvp_compress_params storage;
     const kvp_compress_params& prm = params_or_default(params, storage);
+    require_no_shard(prm, "kvp_compress_batch");
     KVP_REQUIRE(out || prm.compact, "out is NULL and params.compact is 0: nothing to do");
     const Policy& p = policy->policy;
     require_policy_stages_dense(p, "kvp_compress_batch");
@@ -144,6 +145,7 @@ extern "C" kvp_status kvp_compress_paged(const kvp_policy* policy, const kvp_com
     KVP_REQUIRE(num_seqs == 0 || results, "results is NULL but num_seqs is ", num_seqs);
     kvp_compress_params storage;
     const kvp_compress_params& prm = params_or_default(params, storage);
+    require_no_shard(prm, "kvp_compress_paged");
     KVP_REQUIRE(prm.compact, "kvp_compress_paged always compacts: params.compact must be set");
     const Policy& p = policy->policy;
     require_policy_stages_dense(p, "kvp_compress_paged");

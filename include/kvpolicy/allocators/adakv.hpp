@@ -14,6 +14,11 @@
 //   deterministic and each head's kept set is a prefix of its own score order.
 // - B is each row's budget as the previous stages left it (uniform, pyramid, depthkv), so
 //   `depthkv | adakv` first splits across layers, then across heads inside each layer.
+// - Tensor parallelism over KV heads (AllocContext::shard): the layer's free budget goes to the
+//   best pool entries of every rank's heads. The ranks add up their free budgets and pool sizes
+//   and the two radix histograms below (4096 counts each), and gather the entries that tie at
+//   the histograms' edge; heads are compared by their model index. Each rank then gives its own
+//   heads what a single rank holding every head would give them.
 #pragma once
 #include <algorithm>
 #include <cstring>
@@ -43,6 +48,7 @@ inline std::uint32_t orderable_bits_int(float s) {
 struct AdaKV {
   static constexpr std::string_view name = "adakv";
   static constexpr AllocLevel level = AllocLevel::heads;
+  static constexpr bool spans_heads = true;  // the free budget goes to the best of all heads
   double alpha = 0.2;
 
   void validate() const {
@@ -114,6 +120,9 @@ struct AdaKV {
     std::vector<Cand>& edge = scratch.edge;
     std::vector<std::uint64_t> limit(static_cast<std::size_t>(H));
     std::vector<std::int64_t> in_pool(static_cast<std::size_t>(H)), extra(static_cast<std::size_t>(H));
+    // Tensor parallelism: this rank's heads are the model's [h0, h0 + H); sums run over ranks.
+    const std::int64_t h0 = ctx.shard ? ctx.shard->first_head : 0;
+    std::vector<std::int64_t> bucket_total(kBuckets);
     const auto for_heads = [&](auto&& f) {  // f(h) for every head, on the backend's threads
       if (ctx.backend && H > 1) cpu::parallel_for(*ctx.backend, H, f);
       else for (std::int64_t h = 0; h < H; ++h) f(h);
@@ -146,6 +155,10 @@ struct AdaKV {
         in_pool[static_cast<std::size_t>(h)] = g < n ? static_cast<std::int64_t>(n - g) : 0;
         pool += in_pool[static_cast<std::size_t>(h)];
       }
+      std::int64_t free_pool[2] = {free, pool};
+      detail::all_sum(ctx.shard, std::span<std::int64_t>(free_pool));
+      free = free_pool[0];
+      pool = free_pool[1];
       if (free == 0) continue;
       if (free >= pool) {  // (free <= pool: every budget is at most T) the whole pool
         for (std::int64_t h = 0; h < H; ++h) b[h] += in_pool[static_cast<std::size_t>(h)];
@@ -177,12 +190,16 @@ struct AdaKV {
       // From the per-head histograms: the edge bucket (from the top, where the count reaches
       // `need`); the buckets above it go to their heads whole.
       const auto take_above_edge = [&]() {
+        std::fill(bucket_total.begin(), bucket_total.end(), 0);
+        for (std::int64_t h = 0; h < H; ++h)
+          for (std::size_t i = 0; i < kBuckets; ++i)
+            bucket_total[i] += hist[static_cast<std::size_t>(h) * kBuckets + i];
+        detail::all_sum(ctx.shard, std::span<std::int64_t>(bucket_total));
         std::size_t e = kBuckets;
         std::int64_t above = 0;
         for (;;) {
           --e;
-          std::int64_t c = 0;
-          for (std::int64_t h = 0; h < H; ++h) c += hist[static_cast<std::size_t>(h) * kBuckets + e];
+          const std::int64_t c = bucket_total[e];
           if (above + c >= need) break;
           above += c;
         }
@@ -209,7 +226,7 @@ struct AdaKV {
         for_pool(h, [&](std::uint32_t o, std::int64_t j) {
           if ((o >> (32 - kDigit)) != e1) return;
           ++hh[(o >> (32 - 2 * kDigit)) & (kBuckets - 1)];
-          er.push_back({(static_cast<std::uint64_t>(o) << 32) | static_cast<std::uint32_t>(j), h});
+          er.push_back({(static_cast<std::uint64_t>(o) << 32) | static_cast<std::uint32_t>(j), h0 + h});
         });
       });
       const std::uint32_t prefix = (e1 << kDigit) | take_above_edge();
@@ -218,10 +235,12 @@ struct AdaKV {
       for (std::int64_t h = 0; h < H; ++h)  // (edge_rows may be longer: a previous call's H)
         for (const Cand& c : edge_rows[static_cast<std::size_t>(h)])
           if ((c.key >> (64 - 2 * kDigit)) == prefix) edge.push_back(c);
+      if (detail::sharded(ctx.shard)) edge = detail::all_gather_v(*ctx.shard, std::span<const Cand>(edge));
       const auto m = static_cast<std::size_t>(need);  // 0 < m <= edge.size()
       std::nth_element(edge.begin(), edge.begin() + static_cast<std::ptrdiff_t>(m - 1), edge.end(),
                        std::greater<>());
-      for (std::size_t i = 0; i < m; ++i) ++extra[static_cast<std::size_t>(edge[i].head)];
+      for (std::size_t i = 0; i < m; ++i)  // (the other ranks' heads are theirs to count)
+        if (edge[i].head >= h0 && edge[i].head < h0 + H) ++extra[static_cast<std::size_t>(edge[i].head - h0)];
       for (std::int64_t h = 0; h < H; ++h) b[h] += extra[static_cast<std::size_t>(h)];
     }
   }

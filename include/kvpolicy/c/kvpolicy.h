@@ -49,7 +49,8 @@ extern "C" {
 
 /* ---- Status and errors ------------------------------------------------------------------- */
 
-#define KVP_ABI_VERSION 1
+/* 2: kvp_compress_params.shard and kvp_policy_info.spans_heads (tensor parallelism). */
+#define KVP_ABI_VERSION 2
 
 typedef enum kvp_status {
   KVP_OK = 0,
@@ -110,11 +111,32 @@ typedef struct kvp_budget {
   double value;
 } kvp_budget;
 
+/* Tensor parallelism over KV heads: this call holds heads [first_head, first_head + heads of
+ * keys) of the model's model_heads, and ranks 0..ranks-1 hold ascending, contiguous ranges. Every
+ * rank calls kvp_compress with the same policy and budget; each keeps exactly what one call over
+ * every head would keep for its heads. Policies whose stages combine heads (adakv, tova,
+ * expected; kvp_policy_info.spans_heads) exchange a few numbers through all_gather, which the
+ * engine implements with its communicator (NCCL, MPI): every rank calls it with the same
+ * `bytes`; recv (ranks * bytes) receives rank r's `send` at offset r * bytes; it blocks until
+ * recv is filled and returns 0, or nonzero on failure (the call then fails with
+ * KVP_ERROR_INVALID_ARGUMENT). all_gather may be NULL for policies that combine no heads. An
+ * error on one rank's arguments is reported by every rank (no rank is left waiting). What is
+ * exchanged, in bytes per event: README, "Tensor parallelism". */
+typedef struct kvp_head_shard {
+  int64_t rank, ranks;
+  int64_t first_head, model_heads;
+  int (*all_gather)(void* user, const void* send, void* recv, size_t bytes);
+  void* user;
+} kvp_head_shard;
+
 typedef struct kvp_compress_params {
   uint32_t struct_size;
   kvp_budget budget;     /* default: ratio 0.5 */
   int compact;           /* nonzero (default): compact keys/values in place; 0: select only */
   int threads;           /* OpenMP threads of the CPU path; <= 0 (default): OpenMP's default */
+  /* NULL (default): the call holds every KV head. kvp_compress only (kvp_compress_batch and
+   * kvp_compress_paged refuse a shard with KVP_ERROR_UNSUPPORTED). */
+  const kvp_head_shard* shard;
 } kvp_compress_params;
 
 KVP_API kvp_compress_params kvp_compress_default_params(void);
@@ -190,6 +212,7 @@ typedef struct kvp_policy_info {
   int decode_time;         /* 1: evicts at every decode step (h2o) */
   int has_merger;          /* 1: a merger stage (needs a session) */
   int has_quantizer;       /* 1: a quantizer stage (needs a session) */
+  int spans_heads;         /* 1: a stage combines KV heads (kvp_head_shard needs all_gather) */
 } kvp_policy_info;
 
 KVP_API kvp_status kvp_policy_get_info(const kvp_policy* policy, kvp_policy_info* out);

@@ -9,6 +9,7 @@
 #include <span>
 #include <tuple>
 
+#include "kvpolicy/core/head_shard.hpp"
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/core/score_map.hpp"
 
@@ -66,6 +67,10 @@ struct Inputs {
   // positions before the next token); -1: the cache's own, T - n_q (nothing evicted yet). A
   // Session passes it, so that a scorer can tell the sequence's first tokens after eviction.
   std::int64_t first_query_position = -1;
+  // The event's share of a model whose KV heads are split across ranks (EventInfo::shard; the
+  // pipeline sets it for the stages that combine heads, see core/head_shard.hpp); null: the
+  // event holds every head.
+  const HeadShard* shard = nullptr;
 
   std::int64_t state_row_stride() const { return state_stride > 0 ? state_stride : keys.tokens; }
 

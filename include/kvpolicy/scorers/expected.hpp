@@ -11,7 +11,8 @@
 //  3. z_j = mu.k_j / sqrt(d) + k_j^T Sigma k_j / (2 d) (the log of the Gaussian moment-generating
 //     function of q.k_j / sqrt(d)), softmax over the non-sink keys j;
 //  4. mean over the query heads of the KV head's group, then (a_j + eps) * ||v_j||.
-// The first `sinks` keys are protected and get the layer's highest score + 1, as in kvpress.
+// The first `sinks` keys are protected and get the layer's highest score + 1, as in kvpress
+// (over every rank's heads under tensor parallelism, core/head_shard.hpp).
 // Defaults follow kvpress: future=512, sinks=4, cov=true, vnorm=true, eps=0.
 //
 // [ours] Post-RoPE queries, relative rotation. kvpress takes pre-RoPE queries from the hidden
@@ -53,6 +54,7 @@ inline std::vector<float> rope_inv_freq(double theta, std::int64_t head_dim) {
 
 struct ExpectedAttention {
   static constexpr std::string_view name = "expected";
+  static constexpr bool spans_heads = true;  // the sinks' score is the layer's maximum + 1
   static constexpr std::int64_t kBlock = 256;  // keys per GEMM block
   std::int64_t window = 1024;  // newest queries whose statistics model the future ones
   std::int64_t future = 512;   // future positions the rotation is averaged over (<= 65536)
@@ -240,13 +242,22 @@ struct ExpectedAttention {
         dst[j] = static_cast<float>(a);
       }
     });
-    // The sinks: the layer's highest score + 1 (kvpress pads them with max + 1).
-    for (std::int64_t l = 0; l < L && s_end > 0; ++l) {
-      float top = 0;
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t j = s_end; j < Tk; ++j) top = std::max(top, out.row(l, h)[j]);
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t j = 0; j < s_end; ++j) out.row(l, h)[j] = top + 1.0f;
+    // The sinks: the layer's highest score + 1 (kvpress pads them with max + 1); under tensor
+    // parallelism the highest over every rank's heads (4 bytes per layer exchanged).
+    if (s_end > 0) {
+      std::vector<float> top(static_cast<std::size_t>(L), 0.f);
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t h = 0; h < H; ++h)
+          for (std::int64_t j = s_end; j < Tk; ++j)
+            top[static_cast<std::size_t>(l)] = std::max(top[static_cast<std::size_t>(l)], out.row(l, h)[j]);
+      if (detail::sharded(in.shard)) {
+        const std::vector<float> all = detail::all_gather(*in.shard, std::span<const float>(top));
+        for (std::size_t i = 0; i < all.size(); ++i)
+          top[i % top.size()] = std::max(top[i % top.size()], all[i]);
+      }
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t h = 0; h < H; ++h)
+          for (std::int64_t j = 0; j < s_end; ++j) out.row(l, h)[j] = top[static_cast<std::size_t>(l)] + 1.0f;
     }
   }
 };
