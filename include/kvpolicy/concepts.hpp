@@ -118,6 +118,13 @@ constexpr bool spans_heads() {
   if constexpr (requires { S::spans_heads; }) return S::spans_heads;
   return false;
 }
+// Scorers whose statistics accumulate over decode steps (H2O) say so with
+// `GqaReduce accumulation() const` (how the query group's attention is reduced into the
+// per-token sums): an engine then evicts at every decode step and keeps the sums per token.
+template <class S>
+constexpr bool accumulates() {
+  return requires(const S s) { { s.accumulation() } -> std::same_as<GqaReduce>; };
+}
 template <class A>
 Protect alloc_protects(const A& a) {
   if constexpr (requires { a.protects(); }) return a.protects();

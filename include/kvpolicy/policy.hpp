@@ -210,19 +210,28 @@ class Policy {
   }
   // Chunk delimiters of a semantic merger (its default set without one): what an engine's
   // per-token delimiter mask is built from.
+  // (A merger that reads delimiters has `is_delimiter(text)` and `delimiters`.)
   bool is_delimiter(std::string_view token_text) const {
-    if (merger_)
-      if (const auto* s = std::get_if<Semantic>(&*merger_)) return s->is_delimiter(token_text);
-    return Semantic{}.is_delimiter(token_text);
+    return with_delimiters([&](const auto& m) { return m.is_delimiter(token_text); });
   }
   std::string delimiter_set() const {
-    if (merger_)
-      if (const auto* s = std::get_if<Semantic>(&*merger_)) return s->delimiters;
-    return Semantic{}.delimiters;
+    return with_delimiters([](const auto& m) { return std::string(m.delimiters); });
   }
 
-  // True for policies that evict at every decode step once the budget is reached (H2O).
-  bool decode_time() const { return std::holds_alternative<H2O>(scorer_); }
+  // How an accumulating scorer (H2O) reduces a query group's attention into its per-token sums,
+  // or nothing for scorers without accumulated state (detail::accumulates).
+  std::optional<GqaReduce> accumulation() const {
+    if (keep_all_) return std::nullopt;
+    return std::visit(
+        [](const auto& s) -> std::optional<GqaReduce> {
+          if constexpr (detail::accumulates<std::decay_t<decltype(s)>>()) return s.accumulation();
+          return std::nullopt;
+        },
+        scorer_);
+  }
+  // True for policies that evict at every decode step once the budget is reached: those whose
+  // scorer accumulates (H2O).
+  bool decode_time() const { return accumulation().has_value(); }
 
   // See Pipeline::select.
   template <Element T>
@@ -258,6 +267,19 @@ class Policy {
   }
 
  private:
+  // f(the merger, if it reads delimiters, else the default semantic merger).
+  template <class F>
+  auto with_delimiters(F&& f) const -> decltype(f(Semantic{})) {
+    if (merger_)
+      return std::visit(
+          [&](const auto& m) {
+            if constexpr (requires { m.is_delimiter(std::string_view{}); }) return f(m);
+            else return f(Semantic{});
+          },
+          *merger_);
+    return f(Semantic{});
+  }
+
   // A quantizer-only policy's selection: every token, after the same input and event checks a
   // scorer's selection makes; a budget that would evict is refused.
   template <Element T>

@@ -43,6 +43,55 @@
 
 namespace kvpolicy {
 
+namespace detail {
+// The newest `window` queries of every query head, in a ring buffer: push() costs O(new
+// queries) whatever the window; newest(n) unrolls the newest n of them, oldest first. The
+// buffer is allocated at the first push.
+template <Element T>
+class QueryRing {
+ public:
+  QueryRing() = default;
+  QueryRing(std::int64_t heads, std::int64_t window, std::int64_t dim)
+      : heads_(heads), window_(window), dim_(dim) {}
+
+  std::int64_t window() const { return window_; }
+  std::int64_t size() const { return count_; }  // queries held, at most window()
+
+  // Adds the queries of q ([1][heads][n][dim]); only the newest window() of them can stay.
+  void push(const KVView<const T>& q) {
+    if (window_ == 0 || !q.data) return;
+    if (buf_.empty()) buf_.assign(static_cast<std::size_t>(heads_ * window_ * dim_), T{});
+    const std::int64_t n = std::min(q.tokens, window_);
+    for (std::int64_t t = 0; t < n; ++t) {
+      const std::int64_t slot = (next_ + t) % window_;
+      for (std::int64_t h = 0; h < heads_; ++h)
+        for (std::int64_t i = 0; i < dim_; ++i)
+          buf_[static_cast<std::size_t>((h * window_ + slot) * dim_ + i)] =
+              q.at(0, h, q.tokens - n + t, i);
+    }
+    next_ = (next_ + n) % window_;
+    count_ = std::min(window_, count_ + n);
+  }
+
+  // The newest n <= size() queries as a [1][heads][n][dim] view over `out`, oldest first.
+  KVView<const T> newest(std::int64_t n, std::vector<T>& out) const {
+    KVP_REQUIRE(n >= 0 && n <= count_, "query ring: ", n, " queries asked, ", count_, " held");
+    out.resize(static_cast<std::size_t>(heads_ * n * dim_));
+    for (std::int64_t h = 0; h < heads_; ++h)
+      for (std::int64_t t = 0; t < n; ++t) {
+        const std::int64_t slot = ((next_ - n + t) % window_ + window_) % window_;
+        std::copy_n(buf_.data() + (h * window_ + slot) * dim_, dim_, out.data() + (h * n + t) * dim_);
+      }
+    return KVView<const T>::hnd(out.data(), 1, heads_, n, dim_);
+  }
+
+ private:
+  std::vector<T> buf_;  // [heads][window][dim]
+  std::int64_t heads_ = 0, window_ = 0, dim_ = 0;
+  std::int64_t count_ = 0, next_ = 0;  // valid entries, next slot to write
+};
+}  // namespace detail
+
 struct SessionConfig {
   std::int64_t layers = 0, kv_heads = 0, q_heads = 0, head_dim = 0;
   // Tokens kept per KV head after prefill compression (ratio of the prefill length, tokens per
@@ -95,9 +144,8 @@ class Session {
                   "; frequencies must be finite and positive");
 
     cfg.budget.validate();
-    if (const auto* h2o = std::get_if<H2O>(&policy_.scorer()))
-      KVP_REQUIRE(h2o->reduce != GqaReduce::max,
-                  "session: h2o with reduce=max cannot be accumulated step by step; use mean or sum");
+    KVP_REQUIRE(policy_.accumulation() != GqaReduce::max, "session: ", policy_.scorer_name(),
+                " with reduce=max cannot be accumulated step by step; use mean or sum");
     KVP_REQUIRE(cfg.record_queries >= 0, "session: record_queries must be >= 0 (got ",
                 cfg.record_queries, ")");
     KVP_REQUIRE(cfg.decode_interval >= 0, "session: decode_interval must be >= 0 (got ",
@@ -120,6 +168,7 @@ class Session {
     layers_.resize(static_cast<std::size_t>(cfg.layers));
     for (auto& L : layers_) {
       L.lengths.assign(static_cast<std::size_t>(cfg.kv_heads), 0);
+      L.queries = detail::QueryRing<T>(cfg.q_heads, window_, cfg.head_dim);
       reserve(L, cfg.initial_capacity);
     }
   }
@@ -149,13 +198,12 @@ class Session {
                                  !has(policy.needs(), Needs::queries)),
                 "session.fork: policy '", policy.spec(), "' reads the last ", w,
                 " queries but this session kept ", window_, " (raise SessionConfig::record_queries)");
-    const auto* h2o = std::get_if<H2O>(&policy.scorer());
     const bool acc = has(policy.needs(), Needs::accumulated);
     KVP_REQUIRE(!acc || tracks_attention(), "session.fork: policy '", policy.spec(),
                 "' reads accumulated attention but this session did not record it (set "
                 "SessionConfig::record_attention)");
-    KVP_REQUIRE(!h2o || h2o->reduce != GqaReduce::max,
-                "session: h2o with reduce=max cannot be accumulated step by step; use mean or sum");
+    KVP_REQUIRE(policy.accumulation() != GqaReduce::max, "session: ", policy.scorer_name(),
+                " with reduce=max cannot be accumulated step by step; use mean or sum");
     if (has(policy.needs(), Needs::reconstruction))
       for (std::int64_t l = 0; l < cfg_.layers; ++l)
         KVP_REQUIRE(layers_[static_cast<std::size_t>(l)].reconstructed, "session.fork: policy '",
@@ -245,19 +293,17 @@ class Session {
           copy_row(v, h, t, L.v.data() + (h * L.capacity + len + t) * cfg_.head_dim);
         }
         const auto s = static_cast<std::size_t>(h * L.capacity + len + t);
+        L.for_each_token_array([&](auto& a) {
+          if (!a.empty()) a[s] = {};
+        });
         L.positions[s] = static_cast<std::int32_t>(L.next_position + t);
-        L.acc[s] = 0.f;
-        L.observed[s] = 0.f;
-        L.recon[s] = 0.f;
-        if (!L.credit.empty()) L.credit[s] = 0.f;
-        L.log_count[s] = 0.f;
         L.delim[s] = delimiters.empty() ? 0 : (delimiters[static_cast<std::size_t>(t)] != 0);
       }
       L.lengths[static_cast<std::size_t>(h)] = len + n;
     }
     L.next_position += n;
     L.since += n;
-    if (window_ > 0 && q.data) push_queries(L, q);
+    L.queries.push(q);
   }
 
   // Attention of q ([1][Hq][n][d], the queries of the last n appended tokens, causal among them)
@@ -403,20 +449,10 @@ class Session {
     const std::int64_t pw = policy_.query_window();
     // The newest queries of the window, at most one per cached token: a policy may read more
     // queries than it protects tokens (ams), and takes no more queries than keys.
-    const std::int64_t nq = std::min(pw < 0 ? L.q_count : std::min(L.q_count, pw), len);
+    const std::int64_t held = L.queries.size();
+    const std::int64_t nq = std::min(pw < 0 ? held : std::min(held, pw), len);
     std::vector<T> qbuf;
-    if (window_ > 0 && nq > 0) {
-      // The ring holds the newest q_count queries ending at q_next; unroll the newest nq of
-      // them, oldest first.
-      qbuf.resize(static_cast<std::size_t>(cfg_.q_heads * nq * d));
-      for (std::int64_t h = 0; h < cfg_.q_heads; ++h)
-        for (std::int64_t t = 0; t < nq; ++t) {
-          const std::int64_t slot = ((L.q_next - nq + t) % window_ + window_) % window_;
-          std::copy_n(L.q.data() + (h * window_ + slot) * d, d,
-                      qbuf.data() + (h * nq + t) * d);
-        }
-      in.queries = KVView<const T>::hnd(qbuf.data(), 1, cfg_.q_heads, nq, d);
-    }
+    if (nq > 0) in.queries = L.queries.newest(nq, qbuf);
     in.accumulated = L.acc.data();
     in.observed = L.observed.data();
     if (L.reconstructed) in.reconstruction = L.recon.data();
@@ -529,13 +565,9 @@ class Session {
     L.budgets = std::move(budgets);
     L.since = 0;
     cpu::compact(cfg_.backend, k_mut, v_mut, sel);
-    cpu::compact_state(cfg_.backend, L.positions.data(), 0, L.capacity, sel);
-    cpu::compact_state(cfg_.backend, L.acc.data(), 0, L.capacity, sel);
-    cpu::compact_state(cfg_.backend, L.observed.data(), 0, L.capacity, sel);
-    cpu::compact_state(cfg_.backend, L.recon.data(), 0, L.capacity, sel);
-    if (!L.credit.empty()) cpu::compact_state(cfg_.backend, L.credit.data(), 0, L.capacity, sel);
-    cpu::compact_state(cfg_.backend, L.log_count.data(), 0, L.capacity, sel);
-    cpu::compact_state(cfg_.backend, L.delim.data(), 0, L.capacity, sel);
+    L.for_each_token_array([&](auto& a) {
+      if (!a.empty()) cpu::compact_state(cfg_.backend, a.data(), 0, L.capacity, sel);
+    });
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       L.lengths[static_cast<std::size_t>(h)] = sel.count(0, h);
     if (const auto qc = policy_.quant_config()) {
@@ -647,20 +679,28 @@ class Session {
  private:
   struct Layer {
     std::int64_t capacity = 0, next_position = 0;
-    std::int64_t q_count = 0, q_next = 0;  // query ring: valid entries, next slot to write
     std::int64_t since = 0;                // tokens appended since the last compression
     std::int64_t prompt_length = 0;        // longest head at the first compression
     bool decode_targets_set = false;
-    std::vector<T> k, v, q;  // k, v: [Hkv][capacity][d]; q: [Hq][window][d], newest last
-    std::vector<std::int32_t> positions;
-    std::vector<float> acc, observed;
-    std::vector<float> recon;  // context-reconstruction scores (reconstruct())
+    std::vector<T> k, v;           // [Hkv][capacity][d]
+    detail::QueryRing<T> queries;  // the newest recorded queries (the policy's window)
     bool reconstructed = false;
-    std::vector<float> credit;  // allocator state (AMS credit), when the policy keeps one
-    std::vector<float> log_count;      // merge counts, log(tokens a row stands for)
-    std::vector<std::uint8_t> delim;   // 1: the row ends a chunk (semantic merger)
     std::vector<quant::PackedCache> packed;  // per KV head once quantized (k, v then empty)
     std::vector<std::int64_t> lengths, budgets;
+    // The per-token arrays, [Hkv][capacity] each, in step with K/V: for_each_token_array() is
+    // the one list that append() zeroes for new tokens, reserve() regrows and compress()
+    // compacts, so a new one is a member here and a line there. `credit` is the one that may
+    // be absent (empty): the policy keeps no allocator state.
+    std::vector<std::int32_t> positions;  // original position (set by append())
+    std::vector<float> acc, observed;     // H2O attention sums and the queries behind them
+    std::vector<float> recon;             // context-reconstruction scores (reconstruct())
+    std::vector<float> credit;            // allocator state (AMS credit)
+    std::vector<float> log_count;         // merge counts, log(tokens a row stands for)
+    std::vector<std::uint8_t> delim;      // 1: the row ends a chunk (semantic merger)
+    template <class F>
+    void for_each_token_array(F&& f) {
+      f(positions), f(acc), f(observed), f(recon), f(credit), f(log_count), f(delim);
+    }
   };
 
   // Head h's allocator state row (stride: capacity), or null for stateless policies.
@@ -712,11 +752,10 @@ class Session {
   bool tracks_attention() const {
     return cfg_.record_attention || has(policy_.needs(), Needs::accumulated);
   }
-  // H2O's per-KV-head accumulation: the sum over its query group, or (mean, and when only
-  // recording) that sum divided by the group size.
+  // An accumulating scorer's per-KV-head accumulation (H2O): the sum over its query group, or
+  // (mean, and when only recording) that sum divided by the group size.
   float acc_scale(const Policy& p) const {
-    const auto* h2o = std::get_if<H2O>(&p.scorer());
-    return h2o && h2o->reduce == GqaReduce::sum
+    return p.accumulation() == GqaReduce::sum
                ? 1.0f
                : 1.0f / static_cast<float>(cfg_.q_heads / cfg_.kv_heads);
   }
@@ -769,34 +808,14 @@ class Session {
       regrow(L.k, d);
       regrow(L.v, d);
     }
-    regrow(L.positions, 1);
-    regrow(L.acc, 1);
-    regrow(L.observed, 1);
-    regrow(L.recon, 1);
-    regrow(L.log_count, 1);
-    regrow(L.delim, 1);
-    if (policy_.alloc_state()) {
-      if (L.credit.empty() && L.capacity > 0)
-        L.credit.assign(static_cast<std::size_t>(H * L.capacity), 0.f);
-      regrow(L.credit, 1);
-    }
+    if (policy_.alloc_state() && L.credit.empty() && L.capacity > 0)
+      L.credit.assign(static_cast<std::size_t>(H * L.capacity), 0.f);
+    L.for_each_token_array([&](auto& a) {
+      if (static_cast<const void*>(&a) != &L.credit || policy_.alloc_state()) regrow(a, 1);
+    });
     L.capacity = cap;
-    if (L.q.empty() && window_ > 0)
-      L.q.assign(static_cast<std::size_t>(cfg_.q_heads * window_ * d), T{});
   }
 
-  // Keeps the newest `window_` queries per query head in a ring buffer (slot q_next is written
-  // next): O(new queries) per append, whatever the window.
-  void push_queries(Layer& L, const KVView<const T>& q) {
-    const std::int64_t d = cfg_.head_dim, n = std::min(q.tokens, window_);
-    for (std::int64_t t = 0; t < n; ++t) {
-      const std::int64_t slot = (L.q_next + t) % window_;
-      for (std::int64_t h = 0; h < cfg_.q_heads; ++h)
-        copy_row(q, h, q.tokens - n + t, L.q.data() + (h * window_ + slot) * d);
-    }
-    L.q_next = (L.q_next + n) % window_;
-    L.q_count = std::min(window_, L.q_count + n);
-  }
 
   Policy policy_;
   Policy fixed_policy_;  // policy_ without layer/head allocators: events after the first

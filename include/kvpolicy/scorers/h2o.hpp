@@ -49,6 +49,8 @@ struct H2O {
 
   Needs needs() const { return Needs::keys | Needs::accumulated; }
   std::int64_t query_window() const { return -1; }
+  // Decode-time: the sums grow at every step (detail::accumulates, Policy::accumulation()).
+  GqaReduce accumulation() const { return reduce; }
   Protect protect(std::int64_t, std::int64_t budget) const {
     const std::int64_t r = recent_tokens >= 0
                                ? recent_tokens
