@@ -50,6 +50,13 @@ inline std::vector<std::int64_t> resolve_budgets(const Budget& budget, std::int6
   return out;
 }
 
+template <Element T>
+void require_finite_inputs(const Inputs<T>& in) {
+  require_finite(in.keys, "keys");
+  if (in.values.data) require_finite(in.values, "values");
+  if (in.queries.data) require_finite(in.queries, "queries");
+}
+
 // A kvpolicy::Error's message without its "kvpolicy: " prefix.
 inline std::string error_text(const Error& e) {
   const std::string_view w = e.what(), prefix = "kvpolicy: ";
@@ -73,6 +80,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   const std::int64_t L = given.layers(), H = given.kv_heads(), Tk = given.tokens();
   std::vector<std::int64_t> budgets;
   Protect protect, own;
+  std::int64_t smallest = Tk;  // the smallest row budget of the model (every rank's)
   std::string error;
   try {
     if (shard) check_shard(*shard, H);
@@ -84,7 +92,12 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
     budgets = resolve_budgets(budget, L, H, Tk, shard);
     const std::int64_t rows = L * model_heads(shard, H);
     const std::int64_t per_row = rows > 0 ? budget.global(L, model_heads(shard, H), Tk) / rows : 0;
+    // (Budget::resolve's rows are per_row or per_row + 1.)
+    if (rows > 0) smallest = per_row;
     own = scorer.protect(Tk, per_row);
+    // Under an exchange, NaN/Inf on one rank must fail every rank (callers that check inputs
+    // themselves before select skip that under a shard).
+    if (exchanges) require_finite_inputs(given);
     protect = {std::max(own.sinks, req.protect.sinks), std::max(own.recent, req.protect.recent)};
   } catch (const Error& e) {
     if (!exchanges) throw;
@@ -94,7 +107,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   for (std::int64_t b : budgets) evicts = evicts || b < Tk;
   // Ranks that exchange must all score, or none (a rank that returned early would leave the
   // others waiting).
-  if (exchanges) evicts = agree(*shard, error, H, Tk, evicts || scores_out);
+  if (exchanges) evicts = agree(*shard, error, L, H, Tk, evicts || scores_out);
   Inputs<T> in = given;
   in.shard = exchanges ? shard : nullptr;
   // A budget below the protected window (snapkv's 64 queries' window at a small budget, a short
@@ -102,7 +115,6 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   // in its warning.
   std::string warning;
   const std::int64_t n_protected = protect.total(Tk);
-  const std::int64_t smallest = budgets.empty() ? Tk : *std::min_element(budgets.begin(), budgets.end());
   if (smallest < n_protected) {
     const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
     const std::int64_t recent = std::min(protect.recent, smallest);
@@ -123,10 +135,21 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;
   if (!evicts && !scores_out) return Selection::all(L, H, Tk);  // keep everything, no scoring
-  scorer.score(be, in, stats, scores);
-  for (std::int64_t w : req.windows)
-    if (in.queries.data && in.queries.tokens > 0)
-      window_attention_stat(be, in, stats, w, GqaReduce::mean);
+  // Under an exchange, a scorer that fails on one rank (its own checks: a query window longer
+  // than the queries given, say) must fail every rank before the allocators exchange: a second
+  // agreement. (A scorer that itself exchanges, tova or expected, checks before its exchange
+  // only what every rank shares.)
+  const bool second = exchanges && req.spans_heads;
+  try {
+    scorer.score(be, in, stats, scores);
+    for (std::int64_t w : req.windows)
+      if (in.queries.data && in.queries.tokens > 0)
+        window_attention_stat(be, in, stats, w, GqaReduce::mean);
+  } catch (const Error& e) {
+    if (!second) throw;
+    agree(*shard, error_text(e), L, H, Tk, true);
+  }
+  if (second) agree(*shard, {}, L, H, Tk, true);
   AllocContext ctx;
   ctx.scores = &scores;
   ctx.tokens = Tk;
@@ -160,13 +183,6 @@ void compact_kv(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& v
     cpu::compact(be, keys, values, sel);  // one parallel region for both
   else
     cpu::compact(be, keys, sel);
-}
-
-template <Element T>
-void require_finite_inputs(const Inputs<T>& in) {
-  require_finite(in.keys, "keys");
-  if (in.values.data) require_finite(in.values, "values");
-  if (in.queries.data) require_finite(in.queries, "queries");
 }
 
 // Select with `policy` (a Pipeline or a Policy), then compact keys/values in place. Checks for

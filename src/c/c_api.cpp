@@ -302,37 +302,57 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
     const kvp_compress_params& prm = params_or_default(params, storage);
     const Policy& p = policy->policy;
     require_policy_stages_dense(p, "kvp_compress");
-    const Budget budget = budget_from(prm.budget, "params.budget");
-    dispatch(keys->dtype, "keys", [&](auto tag) {
-      using T = decltype(tag);
-      const KVView<T> k = view_of<T>(*keys, "keys");
-      KVView<T> v;
-      if (values && values->data) v = view_of<T>(*values, "values");
-      KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
-                  "values to compact, or compact = 0 to select only)");
-      Inputs<T> in;
-      in.keys = k;
-      in.values = v;
-      if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
-      check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
-      detail::require_finite_inputs(in);
-      const cpu_backend be{prm.threads};
-      HeadShard shard;
-      EventInfo ev;
-      if (prm.shard) {
-        shard.rank = prm.shard->rank;
-        shard.ranks = prm.shard->ranks;
-        shard.first_head = prm.shard->first_head;
-        shard.model_heads = prm.shard->model_heads;
-        shard.all_gather = prm.shard->all_gather;
-        shard.user = prm.shard->user;
-        ev.shard = &shard;
+    HeadShard shard;
+    EventInfo ev;
+    if (prm.shard) {
+      shard.rank = prm.shard->rank;
+      shard.ranks = prm.shard->ranks;
+      shard.first_head = prm.shard->first_head;
+      shard.model_heads = prm.shard->model_heads;
+      shard.all_gather = prm.shard->all_gather;
+      shard.user = prm.shard->user;
+      ev.shard = &shard;
+    }
+    // Under an exchange (a sharded policy that combines heads), an argument error found here on
+    // one rank goes through the policy's agreement step, so that every rank fails with it.
+    const bool exchanges = prm.shard && shard.ranks > 1 && p.spans_heads() && shard.all_gather;
+    bool selecting = false;
+    try {
+      const Budget budget = budget_from(prm.budget, "params.budget");
+      dispatch(keys->dtype, "keys", [&](auto tag) {
+        using T = decltype(tag);
+        const KVView<T> k = view_of<T>(*keys, "keys");
+        KVView<T> v;
+        if (values && values->data) v = view_of<T>(*values, "values");
+        KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
+                    "values to compact, or compact = 0 to select only)");
+        Inputs<T> in;
+        in.keys = k;
+        in.values = v;
+        if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+        check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
+        if (!exchanges) detail::require_finite_inputs(in);  // (else the selection checks them)
+        const cpu_backend be{prm.threads};
+        selecting = true;
+        Selection sel = p.select(be, in, budget, ev);
+        if (prm.compact) detail::compact_kv(be, k, v, sel);
+        write_selection(sel, *out);
+        set_warning(sel.warning());
+      });
+    } catch (const Error& e) {
+      if (!exchanges || selecting) throw;
+      detail::agree(shard, detail::error_text(e), 0, 0, 0, false);  // throws on every rank
+    } catch (const CError& e) {  // (a status of its own, e.g. KVP_ERROR_BUFFER_TOO_SMALL)
+      if (!exchanges || selecting) throw;
+      const std::string_view prefix = "kvpolicy: ";
+      std::string_view m = e.message;
+      if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
+      try {
+        detail::agree(shard, std::string(m), 0, 0, 0, false);  // fails the other ranks
+      } catch (const Error&) {
       }
-      Selection sel = p.select(be, in, budget, ev);
-      if (prm.compact) detail::compact_kv(be, k, v, sel);
-      write_selection(sel, *out);
-      set_warning(sel.warning());
-    });
+      throw;  // this rank keeps its own status
+    }
   });
 }
 

@@ -43,9 +43,10 @@ struct RankOut {
   ctest::SelOut sel{L, 1, T};
 };
 
-// One thread per rank; `bad_rank` (if >= 0) passes no queries.
+// One thread per rank; `bad_rank` (if >= 0) passes no queries, `bad_out_rank` an output buffer
+// too small for its tokens.
 std::vector<RankOut> run(const char* spec, Cache& c, const std::vector<std::int64_t>& split,
-                         int bad_rank = -1) {
+                         int bad_rank = -1, int bad_out_rank = -1) {
   const int R = static_cast<int>(split.size());
   kvtest::Group group(R);
   std::vector<kvtest::Group::Member> members(static_cast<std::size_t>(R));
@@ -67,6 +68,7 @@ std::vector<RankOut> run(const char* spec, Cache& c, const std::vector<std::int6
       const kvp_tensor k = Cache::heads(c.k, H, T, h0, n), v = Cache::heads(c.v, H, T, h0, n);
       const kvp_tensor q = Cache::heads(c.q, H * G, NQ, h0 * G, n * G);
       auto& o = out[static_cast<std::size_t>(r)];
+      if (r == bad_out_rank) o.sel.sel.capacity = T - 1;
       o.status = kvp_compress(p, &prm, &k, &v, r == bad_rank ? nullptr : &q, nullptr, 0, &o.sel.sel);
       if (o.status != KVP_OK) o.error = kvp_last_error();
     });
@@ -115,6 +117,13 @@ TEST_CASE("C ABI: a rank's bad arguments fail every rank's kvp_compress", "[c_ap
   for (const auto& o : res) REQUIRE(o.status == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(res[2].error.find("queries: this policy needs the last 1 queries") != std::string::npos);
   CHECK(res[0].error.find("head shard: rank 2 failed its checks") != std::string::npos);
+  // An argument the C ABI checks before the policy runs (the output buffer) fails every rank too.
+  const auto out = run("tova | adakv", c, {2, 1}, -1, 0);
+  REQUIRE(out[0].status == KVP_ERROR_BUFFER_TOO_SMALL);
+  REQUIRE(out[1].status == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(out[0].error.find("out.capacity is 99") != std::string::npos);
+  CHECK(out[1].error.find("head shard: rank 0 failed its checks: out.capacity is 99") !=
+        std::string::npos);
 }
 
 TEST_CASE("C ABI: kvp_compress_batch and kvp_compress_paged refuse a shard", "[c_api][head_shard]") {

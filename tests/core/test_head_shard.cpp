@@ -197,6 +197,10 @@ TEST_CASE("head shard: a budget that keeps everything on one rank and evicts on 
   require_same_as_one_rank("snapkv(window=8) | adakv", m, Budget::total(9 * kT - 1));
   require_same_as_one_rank("tova", m, Budget::total(9 * kT - 1));
   require_same_as_one_rank("snapkv(window=8) | adakv", m, Budget::ratio(1.0));
+  // 70 tokens over 9 rows: rows 0-6 keep 8, rows 7 and 8 keep 7, below snapkv's 8-token window,
+  // so every row keeps only the newest 7 of it, also on a rank whose own rows all keep 8.
+  require_same_as_one_rank("snapkv(window=8)", m, Budget::total(70));
+  require_same_as_one_rank("snapkv(window=8) | adakv", m, Budget::total(70));
 }
 
 TEST_CASE("head shard: an error on one rank is raised on every rank", "[core][head_shard]") {
@@ -208,6 +212,25 @@ TEST_CASE("head shard: an error on one rank is raised on every rank", "[core][he
     });
     REQUIRE_THAT(res[1].error, Contains("queries: this policy needs the last 1 queries"));
     REQUIRE_THAT(res[0].error, Contains("head shard: rank 1 failed its checks: queries"));
+  }
+  SECTION("a scorer's own check fails on one rank, after the first agreement") {
+    const Policy snap("snapkv(window=8) | adakv");
+    const auto res = run_ranks(snap, m, Budget::ratio(0.3), {1, 1, 1}, [](int r, HeadShard&, Inputs<float>& in) {
+      if (r == 1) {  // the newest 4 queries only: enough for the first checks, not for snapkv
+        in.queries.data += (in.queries.tokens - 4) * in.queries.stride_token;
+        in.queries.tokens = 4;
+      }
+    });
+    REQUIRE_THAT(res[1].error, Contains("snapkv: needs the last 8 queries, got 4"));
+    REQUIRE_THAT(res[0].error, Contains("head shard: rank 1 failed its checks: snapkv: needs"));
+    REQUIRE_THAT(res[2].error, Contains("head shard: rank 1 failed its checks: snapkv: needs"));
+  }
+  SECTION("ranks with different layer counts") {
+    const auto res = run_ranks(p, m, Budget::ratio(0.3), {2, 1}, [](int r, HeadShard&, Inputs<float>& in) {
+      if (r == 0) in.keys.layers = in.values.layers = in.queries.layers = 2;
+    });
+    REQUIRE_THAT(res[0].error, Contains("head shard: rank 1 has 3 layers, rank 0 has 2"));
+    REQUIRE_THAT(res[1].error, Contains("head shard: rank 0 has 2 layers, rank 1 has 3"));
   }
   SECTION("head ranges that overlap") {
     const auto res = run_ranks(p, m, Budget::ratio(0.3), {1, 1, 1}, [](int r, HeadShard& s, Inputs<float>&) {

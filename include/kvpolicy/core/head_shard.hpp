@@ -11,15 +11,18 @@
 // What crosses ranks, per compression event (R ranks, L layers in the event, T tokens):
 // - every chain: nothing, unless a stage spans heads. A total budget (Budget::total) is split
 //   over the model's rows exactly as a single rank would split it (first_head, model_heads).
-// - a chain that spans heads first gathers one 256-byte record per rank (its heads, tokens,
-//   budget check and any error of its local checks), so that an error on one rank is raised on
-//   every rank instead of leaving the others blocked in the next collective.
+// - a chain that spans heads first gathers one 256-byte record per rank (its layers, heads,
+//   tokens, whether it evicts and any error of its local checks), so that an error on one rank
+//   is raised on every rank instead of leaving the others blocked in the next collective; with
+//   an allocator that spans heads, a second record after scoring does the same for the
+//   scorer's own checks.
 // - adakv, per layer: 16 bytes (its free budget and pool size), then, unless the layer keeps its
 //   whole pool or nothing more, two 32 KiB histograms of 4096 int64 counts and the entries that
 //   tie at the histograms' edge (8 bytes for their count, then 16 bytes per entry of the largest rank's
 //   share, usually a handful).
 // - tova: the window attention of every head of every layer, 4 T bytes per head and layer
-//   (its score is the mean over all heads).
+//   (its score is the mean over all heads), padded to the largest rank's heads, after an
+//   8-byte count.
 // - expected: the largest score of each layer, 4 bytes per layer (its sinks' score).
 // Every all-gather sends the same byte count from every rank. Sums are taken in rank order from
 // the gathered values, so the result is bit for bit the single-rank one.
@@ -136,13 +139,16 @@ void all_sum(const HeadShard* s, std::span<T> v) {
 }
 
 // The event's agreement step for chains that exchange data: every rank reports whether its
-// local checks passed (`error` empty) with its heads and tokens; if any rank failed, every rank
-// throws (the failing rank its own message, the others naming it), and the head ranges must
-// tile [0, model_heads) in rank order with equal token counts. Returns whether any rank evicts.
-inline bool agree(const HeadShard& s, const std::string& error, std::int64_t heads,
-                  std::int64_t tokens, bool evicts) {
+// local checks passed (`error` empty) with its layers, heads and tokens; if any rank failed,
+// every rank throws (the failing rank its own message, the others naming it), and the head
+// ranges must tile [0, model_heads) in rank order with equal layer and token counts and one
+// model_heads. Returns whether any rank evicts. An engine whose own checks fail on one rank
+// before it calls the policy can report that through agree() too: the other ranks' events then
+// fail with its message.
+inline bool agree(const HeadShard& s, const std::string& error, std::int64_t layers,
+                  std::int64_t heads, std::int64_t tokens, bool evicts) {
   struct Record {
-    std::int64_t failed, heads, first_head, tokens, evicts, pad[3];
+    std::int64_t failed, heads, first_head, tokens, evicts, layers, model_heads, pad;
     char message[192];
   };
   static_assert(sizeof(Record) == 256);
@@ -152,14 +158,24 @@ inline bool agree(const HeadShard& s, const std::string& error, std::int64_t hea
   mine.first_head = s.first_head;
   mine.tokens = tokens;
   mine.evicts = evicts ? 1 : 0;
+  mine.layers = layers;
+  mine.model_heads = s.model_heads;
   std::memcpy(mine.message, error.data(), std::min(error.size(), sizeof mine.message - 1));
   const std::vector<Record> all = all_gather(s, std::span<const Record>(&mine, 1));
   if (!error.empty()) throw Error(error);
+  for (std::int64_t r = 0; r < s.ranks; ++r) {  // a failure first, whichever rank it was
+    const Record& o = all[static_cast<std::size_t>(r)];
+    KVP_REQUIRE(!o.failed, "head shard: rank ", r, " failed its checks: ",
+                std::string(o.message, std::find(o.message, o.message + sizeof o.message, '\0')));
+  }
   bool any = false;
   std::int64_t next = 0;
   for (std::int64_t r = 0; r < s.ranks; ++r) {
     const Record& o = all[static_cast<std::size_t>(r)];
-    KVP_REQUIRE(!o.failed, "head shard: rank ", r, " failed its checks: ", o.message);
+    KVP_REQUIRE(o.model_heads == s.model_heads, "head shard: rank ", r, " has model_heads ",
+                o.model_heads, ", rank ", s.rank, " has ", s.model_heads);
+    KVP_REQUIRE(o.layers == layers, "head shard: rank ", r, " has ", o.layers,
+                " layers, rank ", s.rank, " has ", layers);
     KVP_REQUIRE(o.first_head == next, "head shard: rank ", r, " holds heads from ", o.first_head,
                 " but the ranks before it end at ", next,
                 " (ranks must hold ascending, contiguous head ranges)");
