@@ -63,6 +63,31 @@ inline std::string error_text(const Error& e) {
   return std::string(w.substr(0, prefix.size()) == prefix ? w.substr(prefix.size()) : w);
 }
 
+// When the smallest row budget of the model is below the protected tokens (snapkv's 64 queries'
+// window at a small budget, a short prompt), narrows `protect` to what fits, the newest tokens
+// first, then the sinks, and returns the selection's warning saying so; else returns "".
+// `own` is the scorer's protection before the allocators widened it.
+inline std::string fit_protected(std::string_view scorer, Protect& protect, Protect own,
+                                 std::int64_t smallest, std::int64_t tokens) {
+  const std::int64_t n_protected = protect.total(tokens);
+  if (smallest >= n_protected) return {};
+  const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
+  const std::int64_t recent = std::min(protect.recent, smallest);
+  const Protect fit{std::min(protect.sinks, smallest - recent), recent};
+  const std::string newest = fit.recent ? "the newest " + std::to_string(fit.recent) : "";
+  const std::string first = fit.sinks ? "the first " + std::to_string(fit.sinks) : "";
+  std::string warning = cat("budget of ", smallest, " tokens per head is below the ", n_protected,
+                            " tokens ", scorer,
+                            widened ? " and its allocators protect (" : " protects (",
+                            protect.sinks, " sinks + ", protect.recent, " recent): kept ",
+                            newest.empty() && first.empty() ? "none of them"
+                            : newest.empty() || first.empty() ? newest + first
+                                                              : newest + " and " + first,
+                            " instead");
+  protect = fit;
+  return warning;
+}
+
 // One compression event's selection: validate inputs, resolve the budget, score, let the
 // allocators redistribute, select per row. `allocate(ctx, budgets)` runs the allocator chain;
 // `req` is what that chain reads (merged over its stages), `ev` where the event sits. Under
@@ -113,24 +138,7 @@ Selection select_tokens(const cpu_backend& be, const S& scorer, AllocateFn&& all
   // A budget below the protected window (snapkv's 64 queries' window at a small budget, a short
   // prompt) keeps what fits of it: the newest tokens first, then the sinks. The selection says so
   // in its warning.
-  std::string warning;
-  const std::int64_t n_protected = protect.total(Tk);
-  if (smallest < n_protected) {
-    const bool widened = protect.sinks != own.sinks || protect.recent != own.recent;
-    const std::int64_t recent = std::min(protect.recent, smallest);
-    const Protect fit{std::min(protect.sinks, smallest - recent), recent};
-    const std::string newest = fit.recent ? "the newest " + std::to_string(fit.recent) : "";
-    const std::string first = fit.sinks ? "the first " + std::to_string(fit.sinks) : "";
-    warning = detail::cat("budget of ", smallest, " tokens per head is below the ", n_protected,
-                          " tokens ", scorer_label(scorer),
-                          widened ? " and its allocators protect (" : " protects (", protect.sinks,
-                          " sinks + ", protect.recent, " recent): kept ",
-                          newest.empty() && first.empty() ? "none of them"
-                          : newest.empty() || first.empty() ? newest + first
-                                                            : newest + " and " + first,
-                          " instead");
-    protect = fit;
-  }
+  std::string warning = fit_protected(scorer_label(scorer), protect, own, smallest, Tk);
   if (protect_out) *protect_out = protect;
   ScoreMap local;
   ScoreMap& scores = scores_out ? *scores_out : local;

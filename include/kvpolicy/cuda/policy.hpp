@@ -1,0 +1,364 @@
+// A spec-string Policy on the CUDA backend: one call runs the chain scorer -> allocators ->
+// selection (-> compaction) on device tensors, with one caller-owned workspace.
+//
+//   kvpolicy::Policy p("snapkv(window=32) | pyramid | adakv");
+//   const auto plan = kvpolicy::cuda::plan(p, in, budget);      // host arithmetic of the shapes
+//   // ... cudaMalloc plan.workspace_bytes (256-byte aligned) and a CsrSelection holding
+//   //     plan.rows + 1 offsets and plan.kept_capacity indices ...
+//   cuda_backend be{stream, workspace, plan.workspace_bytes};
+//   kvpolicy::cuda::select(be, p, in, budget, csr);            // or compress(...)
+//
+// The kept sets equal Policy::select on the CPU for the same spec, inputs and budget (the kernels
+// each equal their CPU stage: tests/agreement; the chain: tests/agreement/test_device_policy.cpp,
+// which runs this runner on a host emulation of the kernels everywhere and on the GPU where
+// there is one).
+//
+// What runs where:
+//   - scorers with a kernel: snapkv, h2o, tova, knorm, keydiff, streaming. A scorer has a device
+//     path when cuda::score(const cuda_backend&, const S&, const Inputs<T>&, MutableScoreView)
+//     and cuda::score_workspace_bytes(S, Inputs<T>) exist (detail::device_scorer); others
+//     (expected, kvzip, plug-ins) are refused by name.
+//   - allocators: the layer-level ones (pyramid, depthkv) and uniform split the budget from the
+//     shapes alone, so they run on the host, as on the CPU path; adakv runs as a kernel and leaves
+//     the budgets on the device; ams is refused (its segment quotas have a kernel, the chain step
+//     that feeds it window attention and credit state does not yet).
+//   - mergers and quantizers are Session stages: select/compress ignore them, as on the CPU path.
+//   - not on this path yet: tensor parallelism (EventInfo::shard), allocator state
+//     (EventInfo::alloc_state), paged caches and batches (see cuda/paged.hpp for paged
+//     compaction of a selection).
+//
+// Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
+// from the shapes, then uploaded before the event's first kernel; it waits for the work already
+// on be.stream, not for this event's). Every kernel after it is asynchronous: the CSR selection
+// (and the compacted cache) are ready when the stream is. Inputs must stay valid until then.
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvpolicy/cuda/baselines.hpp"
+#include "kvpolicy/cuda/compact.hpp"
+#include "kvpolicy/cuda/select.hpp"
+#include "kvpolicy/cuda/window_attention.hpp"
+#include "kvpolicy/policy.hpp"
+
+namespace kvpolicy::cuda {
+
+// Sizes of one event on the device: what the caller allocates before select()/compress().
+struct PolicyPlan {
+  std::size_t workspace_bytes = 0;  // the cuda_backend's workspace, 256-byte aligned
+  std::int64_t rows = 0;            // (layer, head) rows: the CSR offsets hold rows + 1 entries
+  std::int64_t kept_capacity = 0;   // CSR indices the event writes at most (CsrSelection::capacity)
+};
+
+// What select() reports on the host (the selection itself is on the device).
+struct PolicyEvent {
+  Protect protect;      // the tokens the selection protected (after fitting a small budget)
+  bool evicts = false;  // false: every row kept every token (nothing was scored)
+  std::string warning;  // as Selection::warning() on the CPU path
+};
+
+// A scratch region of the caller's workspace handed to one kernel.
+struct Scratch {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+namespace detail {
+
+template <class S, class T>
+concept device_scorer = requires(const cuda_backend& be, const S& s, const Inputs<T>& in,
+                                 const MutableScoreView& out) {
+  cuda::score(be, s, in, out);
+  { cuda::score_workspace_bytes(s, in) } -> std::convertible_to<std::size_t>;
+};
+
+// Allocators the device path runs on the host: they read only the event's shape.
+template <class A>
+constexpr bool host_allocator() {
+  constexpr AllocLevel lv = kvpolicy::detail::alloc_level<A>();
+  return std::is_same_v<A, Uniform> || lv == AllocLevel::layers;
+}
+
+inline constexpr std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+inline constexpr std::int64_t score_row_stride(std::int64_t tokens) { return (tokens + 3) / 4 * 4; }
+
+// The kernels of a chain, as the runner calls them. cuda_device is the CUDA one; tests drive the
+// same runner through a host emulation with this interface (tests/common/device_emulation.hpp).
+struct cuda_device {
+  cuda_backend be;
+
+  cuda_backend with(Scratch s) const { return {be.stream, s.data, s.bytes}; }
+  template <class S, Element T>
+  std::size_t score_bytes(const S& s, const Inputs<T>& in) const {
+    return cuda::score_workspace_bytes(s, in);
+  }
+  template <class S, Element T>
+  void score(const S& s, const Inputs<T>& in, const MutableScoreView& out, Scratch ws) const {
+    cuda::score(with(ws), s, in, out);
+  }
+  std::size_t adakv_bytes(const AdaKV& a, const ScoreView& s, Protect p) const {
+    return cuda::allocate_workspace_bytes(a, s, p);
+  }
+  void adakv(const AdaKV& a, const ScoreView& s, const std::int64_t* device_budgets, Protect p,
+             std::int64_t* out, Scratch ws) const {
+    cuda::allocate(with(ws), a, s, device_budgets, p, out);
+  }
+  std::size_t select_bytes(std::int64_t rows, std::int64_t tokens) const {
+    return cuda::select_workspace_bytes(rows, tokens);
+  }
+  // Blocking with respect to the host (pageable memory): waits for the stream's earlier work.
+  void upload(void* dst, const void* src, std::size_t bytes) const {
+    copy_to_device(dst, src, bytes, be.stream);
+  }
+  void select(const ScoreView& s, const std::int64_t* device_budgets, Protect p,
+              CsrSelection& out, Scratch ws) const {
+    cuda::select(with(ws), s, device_budgets, p, out);
+  }
+  template <Element T>
+  void compact(const KVView<T>& kv, const CsrSelection& sel) const {
+    cuda::compact(be, kv, sel);
+  }
+};
+
+// The host half of an event: checks, budgets after the host allocators, protection.
+struct EventSetup {
+  std::vector<std::int64_t> budgets;  // per row, after the host-side allocators
+  PolicyEvent event;
+  std::int64_t layers = 0, heads = 0, tokens = 0;
+  bool device_allocators = false;  // some allocator runs as a kernel (adakv)
+};
+
+template <Element T>
+EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& budget,
+                       const EventInfo& ev) {
+  const std::string_view label = policy.keeps_all() ? std::string_view("(keep all)")
+                                                    : policy.scorer_name();
+  KVP_REQUIRE(!ev.shard, "cuda policy '", policy.spec(), "': tensor parallelism (EventInfo::",
+              "shard) runs on the CPU path only for now");
+  KVP_REQUIRE(!ev.alloc_state, "cuda policy '", policy.spec(),
+              "': allocator state (EventInfo::alloc_state) runs on the CPU path only for now");
+  if (!policy.keeps_all())
+    std::visit(
+        [&](const auto& s) {
+          using S = std::decay_t<decltype(s)>;
+          if constexpr (!device_scorer<S, T>)
+            KVP_REQUIRE(false, "cuda policy '", policy.spec(), "': scorer '", label,
+                        "' has no CUDA kernel (device scorers: snapkv, h2o, tova, knorm, "
+                        "keydiff, streaming); run it with the cpu_backend");
+        },
+        policy.scorer());
+  bool on_device = false;
+  for (const auto& a : policy.allocators())
+    std::visit(
+        [&](const auto& al) {
+          using A = std::decay_t<decltype(al)>;
+          if constexpr (std::is_same_v<A, AdaKV>) {
+            on_device = true;
+          } else if constexpr (!host_allocator<A>()) {
+            KVP_REQUIRE(false, "cuda policy '", policy.spec(), "': allocator '", A::name,
+                        "' has no device path yet (device allocators: uniform, pyramid, depthkv, "
+                        "adakv); run it with the cpu_backend");
+          }
+        },
+        a);
+  validate(in, policy.needs(), policy.query_window());
+  kvpolicy::detail::check_event_layers(ev, in.layers());
+  EventSetup s;
+  s.layers = in.layers();
+  s.heads = in.kv_heads();
+  s.tokens = in.tokens();
+  s.device_allocators = on_device;
+  const std::int64_t L = s.layers, H = s.heads, Tk = s.tokens, rows = L * H;
+  if (policy.keeps_all()) {
+    KVP_REQUIRE(budget.global(L, H, Tk) >= rows * Tk, "policy '", policy.spec(),
+                "' has no scorer and keeps every token; the budget keeps ",
+                budget.global(L, H, Tk), " of ", rows * Tk);
+    s.budgets.assign(static_cast<std::size_t>(rows), Tk);
+    return s;
+  }
+  s.budgets = budget.resolve(L, H, Tk);
+  const std::int64_t per_row = rows > 0 ? budget.global(L, H, Tk) / rows : 0;
+  const std::int64_t smallest = rows > 0 ? per_row : Tk;
+  const Protect own = std::visit([&](const auto& sc) { return sc.protect(Tk, per_row); },
+                                 policy.scorer());
+  Protect protect = policy.protect(Tk, per_row);
+  s.event.warning = kvpolicy::detail::fit_protected(label, protect, own, smallest, Tk);
+  s.event.protect = protect;
+  for (std::int64_t b : s.budgets) s.event.evicts = s.event.evicts || b < Tk;
+  if (!s.event.evicts) return s;
+  // The host allocators, in chain order (they precede every head-level one: layers -> heads).
+  ScoreMap shape(L, H, 0);  // they read the shape only
+  AllocContext ctx;
+  ctx.scores = &shape;
+  ctx.tokens = Tk;
+  ctx.protect = protect;
+  ctx.first_layer = ev.first_layer;
+  ctx.model_layers = ev.model_layers > 0 ? ev.model_layers : L;
+  ctx.queries = in.queries.data ? in.queries.tokens : 0;
+  for (const auto& a : policy.allocators())
+    std::visit(
+        [&](const auto& al) {
+          if constexpr (host_allocator<std::decay_t<decltype(al)>>())
+            al.allocate(ctx, std::span<std::int64_t>(s.budgets));
+        },
+        a);
+  return s;
+}
+
+// Workspace layout: scores [rows][row_stride] fp32 | device budgets [rows] i64 | one scratch
+// region the kernels take in turn (they run in stream order, so they share it).
+struct Layout {
+  std::int64_t row_stride = 0;
+  std::size_t budgets_at = 0, scratch_at = 0, scratch_bytes = 0, total = 0;
+};
+
+template <class Dev, Element T>
+Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const EventSetup& s) {
+  Layout lay;
+  const std::int64_t rows = s.layers * s.heads;
+  lay.row_stride = score_row_stride(s.tokens);
+  const ScoreView scores{nullptr, s.layers, s.heads, s.tokens, lay.row_stride};
+  std::size_t scratch = dev.select_bytes(rows, s.tokens);
+  if (s.event.evicts) {
+    std::visit(
+        [&](const auto& sc) {
+          if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
+            scratch = std::max(scratch, dev.score_bytes(sc, in));
+        },
+        policy.scorer());
+    for (const auto& a : policy.allocators())
+      if (const auto* ada = std::get_if<AdaKV>(&a))
+        scratch = std::max(scratch, dev.adakv_bytes(*ada, scores, s.event.protect));
+  }
+  lay.budgets_at = align256(static_cast<std::size_t>(rows * lay.row_stride) * sizeof(float));
+  lay.scratch_at = lay.budgets_at + align256(static_cast<std::size_t>(rows) * sizeof(std::int64_t));
+  lay.scratch_bytes = align256(scratch);
+  lay.total = lay.scratch_at + lay.scratch_bytes;
+  return lay;
+}
+
+template <class Dev, Element T>
+PolicyPlan plan(const Dev& dev, const Policy& policy, const Inputs<T>& in, const Budget& budget,
+                const EventInfo& ev) {
+  const EventSetup s = setup_event(policy, in, budget, ev);
+  PolicyPlan p;
+  p.workspace_bytes = layout(dev, policy, in, s).total;
+  p.rows = s.layers * s.heads;
+  p.kept_capacity = kept_total(s.budgets, s.tokens);
+  return p;
+}
+
+template <class Dev, Element T>
+PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
+                   const Policy& policy, const Inputs<T>& in, const Budget& budget,
+                   CsrSelection& out, const EventInfo& ev) {
+  EventSetup s = setup_event(policy, in, budget, ev);
+  const Layout lay = layout(dev, policy, in, s);
+  const std::int64_t rows = s.layers * s.heads;
+  KVP_REQUIRE(workspace_bytes >= lay.total, "cuda policy '", policy.spec(), "': workspace of ",
+              workspace_bytes, " bytes is below the ", lay.total,
+              " the event needs (cuda::plan(...).workspace_bytes)");
+  KVP_REQUIRE(lay.total == 0 || workspace, "cuda policy '", policy.spec(),
+              "': null workspace pointer");
+  KVP_REQUIRE(reinterpret_cast<std::uintptr_t>(workspace) % 256 == 0, "cuda policy '",
+              policy.spec(), "': the workspace must be 256-byte aligned (cudaMalloc's)");
+  KVP_REQUIRE(out.layers == s.layers && out.heads == s.heads, "cuda policy '", policy.spec(),
+              "': output selection is [", out.layers, ",", out.heads, "] but the cache is [",
+              s.layers, ",", s.heads, "]");
+  const std::int64_t need = kept_total(s.budgets, s.tokens);
+  KVP_REQUIRE(out.capacity >= need, "cuda policy '", policy.spec(), "': output selection holds ",
+              out.capacity, " indices but the event keeps ", need,
+              " (cuda::plan(...).kept_capacity)");
+  // The host budgets' checks (the CPU path's: cpu::select's, and adakv's for its input), then
+  // one upload before any kernel of the event, so that every later stage reads device budgets.
+  const std::int64_t Tk = s.tokens, P = s.event.protect.total(Tk);
+  for (std::int64_t b : s.budgets) {
+    KVP_REQUIRE(b >= Tk || b >= P, "budget of ", b, " tokens is below the ", P,
+                " protected tokens (", s.event.protect.sinks, " sinks + ",
+                s.event.protect.recent, " recent)");
+    KVP_REQUIRE(!s.device_allocators || !s.event.evicts || (b >= std::min(P, Tk) && b <= Tk),
+                "adakv: budget ", b, " is outside [", std::min(P, Tk), ", ", Tk, "]");
+  }
+  auto* base = static_cast<std::byte*>(workspace);
+  float* score_data = reinterpret_cast<float*>(base);
+  auto* dev_budgets = reinterpret_cast<std::int64_t*>(base + lay.budgets_at);
+  const Scratch scratch{base + lay.scratch_at, lay.scratch_bytes};
+  const MutableScoreView wscores{rows ? score_data : nullptr, s.layers, s.heads, s.tokens,
+                                 lay.row_stride};
+  const ScoreView scores{wscores.data, s.layers, s.heads, s.tokens, lay.row_stride};
+  if (rows > 0) dev.upload(dev_budgets, s.budgets.data(), s.budgets.size() * sizeof(std::int64_t));
+  if (!s.event.evicts) {
+    // Every row keeps every token; the selection kernel still reads a score per token, so give
+    // it positions (streaming's scores: no inputs read, no workspace).
+    dev.score(Streaming{}, in, wscores, scratch);
+  } else {
+    std::visit(
+        [&](const auto& sc) {
+          if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
+            dev.score(sc, in, wscores, scratch);
+        },
+        policy.scorer());
+    for (const auto& a : policy.allocators())
+      if (const auto* ada = std::get_if<AdaKV>(&a))
+        dev.adakv(*ada, scores, dev_budgets, s.event.protect, dev_budgets, scratch);
+  }
+  dev.select(scores, dev_budgets, s.event.protect, out, scratch);
+  return s.event;
+}
+
+template <class Dev, Element T>
+PolicyEvent compress(const Dev& dev, void* workspace, std::size_t workspace_bytes,
+                     const Policy& policy, const KVView<T>& keys, const KVView<T>& values,
+                     Inputs<T> in, const Budget& budget, CsrSelection& out, const EventInfo& ev) {
+  in.keys = keys;
+  in.values = values;
+  if (values.data) {
+    validate(values, "values");
+    KVP_REQUIRE(values.layers == keys.layers && values.heads == keys.heads &&
+                    values.tokens == keys.tokens,
+                "values shape does not match keys");
+  }
+  PolicyEvent e = select(dev, workspace, workspace_bytes, policy, in, budget, out, ev);
+  dev.compact(keys, out);
+  if (values.data) dev.compact(values, out);
+  return e;
+}
+
+}  // namespace detail
+
+// Sizes the caller allocates for one event: reads shapes only (device pointers in `in` are not
+// dereferenced; they may be null here). Same checks as select(): a stage without a device path,
+// a bad shape or budget raise kvpolicy::Error naming it.
+template <Element T>
+PolicyPlan plan(const Policy& policy, const Inputs<T>& in, const Budget& budget,
+                const EventInfo& ev = {}) {
+  return detail::plan(detail::cuda_device{}, policy, in, budget, ev);
+}
+
+// Policy::select on device tensors: `in` holds device views, `out` a device CSR selection of
+// plan().rows + 1 offsets and plan().kept_capacity indices, be.workspace plan().workspace_bytes
+// bytes. Asynchronous on be.stream (see the header comment).
+template <Element T>
+PolicyEvent select(const cuda_backend& be, const Policy& policy, const Inputs<T>& in,
+                   const Budget& budget, CsrSelection& out, const EventInfo& ev = {}) {
+  return detail::select(detail::cuda_device{be}, be.workspace, be.workspace_bytes, policy, in,
+                        budget, out, ev);
+}
+
+// Policy::compress on device tensors: select, then compact `keys` and `values` (device views of
+// the memory in.keys / in.values read; values may be empty) in place on the same stream.
+template <Element T>
+PolicyEvent compress(const cuda_backend& be, const Policy& policy, const KVView<T>& keys,
+                     const KVView<T>& values, const Inputs<T>& in, const Budget& budget,
+                     CsrSelection& out, const EventInfo& ev = {}) {
+  const detail::cuda_device dev{be};
+  return detail::compress(dev, be.workspace, be.workspace_bytes, policy, keys, values, in, budget,
+                          out, ev);
+}
+
+}  // namespace kvpolicy::cuda

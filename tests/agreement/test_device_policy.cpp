@@ -1,0 +1,302 @@
+// Spec-string policies on the device path (kvpolicy/cuda/policy.hpp) against Policy::select on
+// the CPU: for every device scorer x allocator chain, ratio and total budgets, random data and
+// data full of ties, the kept sets, the protection and the warning must be identical.
+// The CPU half runs the device runner on a host emulation of the kernels
+// (tests/common/device_emulation.hpp): it checks the chain the runner builds, its workspace and
+// its budgets. The [gpu] half runs the same cases on a cuda_backend where a GPU exists.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <kvpolicy/cuda/policy.hpp>
+#include <kvpolicy/kvpolicy.hpp>
+
+#include "agreement/gpu_util.hpp"
+#include "common/device_emulation.hpp"
+#include "common/random_kv.hpp"
+
+namespace kvt_agreement_device_policy {
+
+using namespace kvpolicy;
+using Catch::Contains;
+
+namespace {
+
+constexpr std::int64_t kL = 3, kH = 3, kG = 2, kT = 97, kD = 8, kQ = 20;
+
+struct Model {
+  kvtest::Tensor<float> k, v, q;
+
+  Model(std::uint64_t seed, bool ties, std::int64_t tokens = kT) {
+    kvtest::Rng rng(seed);
+    auto values = [&](std::int64_t heads, std::int64_t n) {
+      std::vector<double> x(static_cast<std::size_t>(kL * heads * n * kD));
+      for (auto& e : x) e = ties ? static_cast<double>(rng.integer(-1, 1)) : 2.0 * rng.uniform();
+      return x;
+    };
+    k = kvtest::make_tensor<float>(kL, kH, tokens, kD, values(kH, tokens));
+    v = kvtest::make_tensor<float>(kL, kH, tokens, kD, values(kH, tokens));
+    q = kvtest::make_tensor<float>(kL, kH * kG, kQ, kD, values(kH * kG, kQ));
+  }
+  Inputs<float> inputs() const {
+    Inputs<float> in;
+    in.keys = k.view();
+    in.values = v.view();
+    in.queries = q.view();
+    return in;
+  }
+};
+
+// The device runner on the emulation: plan, a 256-byte aligned workspace, a CSR of the planned
+// size, select.
+struct EmulatedRun {
+  Selection sel;
+  cuda::PolicyEvent event;
+  std::vector<std::string> calls;
+};
+
+EmulatedRun run_emulated(const Policy& p, const Inputs<float>& in, const Budget& b,
+                         const EventInfo& ev = {}) {
+  kvtest::EmulatedDevice dev;
+  const cuda::PolicyPlan plan = cuda::detail::plan(dev, p, in, b, ev);
+  REQUIRE(plan.rows == in.layers() * in.kv_heads());
+  std::vector<std::byte> storage(plan.workspace_bytes + 256);
+  void* ws = storage.data() + (256 - reinterpret_cast<std::uintptr_t>(storage.data()) % 256) % 256;
+  std::memset(ws, 0xff, plan.workspace_bytes);  // NaN bytes: nothing may read before writing
+  dev.ws_begin = static_cast<const std::byte*>(ws);
+  dev.ws_bytes = plan.workspace_bytes;
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(plan.rows + 1), -1);
+  std::vector<std::int32_t> indices(static_cast<std::size_t>(plan.kept_capacity) + 1, -1);
+  cuda::CsrSelection csr{in.layers(), in.kv_heads(), offsets.data(), indices.data(),
+                         plan.kept_capacity};
+  EmulatedRun r;
+  r.event = cuda::detail::select(dev, ws, plan.workspace_bytes, p, in, b, csr, ev);
+  REQUIRE(indices.back() == -1);  // nothing past the planned capacity
+  r.sel = cuda::from_csr(in.layers(), in.kv_heads(), offsets, indices);
+  r.calls = dev.calls;
+  return r;
+}
+
+void require_same_rows(const Selection& want, const Selection& got) {
+  REQUIRE(got.layers() == want.layers());
+  REQUIRE(got.heads() == want.heads());
+  for (std::int64_t l = 0; l < want.layers(); ++l)
+    for (std::int64_t h = 0; h < want.heads(); ++h) {
+      INFO("layer " << l << " head " << h);
+      const auto w = want.kept(l, h), g = got.kept(l, h);
+      REQUIRE(std::vector<std::int32_t>(g.begin(), g.end()) ==
+              std::vector<std::int32_t>(w.begin(), w.end()));
+    }
+}
+
+// cuda::plan on the emulation (cuda::plan itself asks the CUDA library for workspace sizes).
+cuda::PolicyPlan plan_emulated(const Policy& p, const Inputs<float>& in, const Budget& b,
+                               const EventInfo& ev = {}) {
+  return cuda::detail::plan(kvtest::EmulatedDevice{}, p, in, b, ev);
+}
+
+const std::vector<std::string>& scorers() {
+  static const std::vector<std::string> s = {"snapkv(window=16,kernel=5)", "h2o", "tova", "knorm",
+                                             "keydiff", "streaming(sinks=3)"};
+  return s;
+}
+const std::vector<std::string>& chains() {
+  static const std::vector<std::string> c = {"",
+                                             " | pyramid",
+                                             " | depthkv(weights=0.2:1:3)",
+                                             " | adakv",
+                                             " | adakv(alpha=0)",
+                                             " | pyramid | adakv",
+                                             " | depthkv(weights=0.2:1:3) | adakv",
+                                             " | uniform | adakv | uniform",
+                                             " | adakv | adakv(alpha=0.5)",
+                                             " | adakv | semantic | int2"};
+  return c;
+}
+std::vector<Budget> budgets() {
+  return {Budget::ratio(0.3), Budget::total(kL * kH * 31 + 5), Budget::tokens(8), Budget::ratio(1.0)};
+}
+
+}  // namespace
+
+TEST_CASE("device policy (emulated kernels): every device scorer x allocator chain keeps the CPU's sets",
+          "[agreement][device_policy]") {
+  for (bool ties : {false, true}) {
+    const Model m(ties ? 11 : 7, ties);
+    const Inputs<float> in = m.inputs();
+    for (const auto& sc : scorers())
+      for (const auto& ch : chains())
+        for (const Budget& b : budgets()) {
+          const std::string spec = sc + ch;
+          INFO(spec << (ties ? " (ties)" : "") << " budget kind " << static_cast<int>(b.kind())
+                    << " value " << b.value());
+          const Policy p(spec);
+          Protect want_protect;
+          const Selection want = p.select(cpu_backend{}, in, b, EventInfo{}, nullptr, &want_protect);
+          const EmulatedRun got = run_emulated(p, in, b);
+          require_same_rows(want, got.sel);
+          REQUIRE(got.event.protect.sinks == want_protect.sinks);
+          REQUIRE(got.event.protect.recent == want_protect.recent);
+          REQUIRE(got.event.warning == want.warning());
+          // The chain the runner built: the budgets uploaded first, one score, one adakv kernel per
+          // adakv stage, the selection.
+          const bool evicts = b.kind() != Budget::Kind::ratio || b.value() < 1.0;
+          REQUIRE(got.event.evicts == evicts);
+          std::vector<std::string> calls = {"upload"};
+          if (!evicts) {
+            calls.push_back("score:streaming");
+          } else {
+            calls.push_back("score:" + std::string(p.scorer_name()));
+            for (const auto& a : p.allocators())
+              if (std::holds_alternative<AdaKV>(a)) calls.push_back("adakv:device");
+          }
+          calls.push_back("select:device");
+          REQUIRE(got.calls == calls);
+        }
+  }
+}
+
+TEST_CASE("device policy (emulated kernels): layered events, small budgets and the keep-all policy",
+          "[agreement][device_policy]") {
+  const Model m(3, false);
+  const Inputs<float> in = m.inputs();
+  SECTION("an event that is layers [2, 5) of a 6-layer model (pyramid and depthkv read it)") {
+    EventInfo ev;
+    ev.first_layer = 2;
+    ev.model_layers = 6;
+    for (const char* spec : {"snapkv(window=16) | pyramid | adakv", "knorm | depthkv(weights=1:2:0.5:3:1:1)"}) {
+      INFO(spec);
+      const Policy p(spec);
+      const Selection want = p.select(cpu_backend{}, in, Budget::ratio(0.25), ev);
+      require_same_rows(want, run_emulated(p, in, Budget::ratio(0.25), ev).sel);
+    }
+  }
+  SECTION("a budget below snapkv's protected window keeps the newest tokens, with the warning") {
+    const Policy p("snapkv(window=16) | adakv");
+    const Selection want = p.select(cpu_backend{}, in, Budget::tokens(6));
+    const EmulatedRun got = run_emulated(p, in, Budget::tokens(6));
+    REQUIRE_FALSE(want.warning().empty());
+    REQUIRE(got.event.warning == want.warning());
+    REQUIRE(got.event.protect.recent == 6);
+    require_same_rows(want, got.sel);
+  }
+  SECTION("a quantizer-only policy keeps every token and refuses a budget that evicts") {
+    const Policy p("int2");
+    const EmulatedRun got = run_emulated(p, in, Budget::ratio(1.0));
+    require_same_rows(Selection::all(kL, kH, kT), got.sel);
+    REQUIRE_THROWS_WITH(run_emulated(p, in, Budget::ratio(0.5)), Contains("keeps every token"));
+  }
+  SECTION("compress compacts keys and values like the CPU") {
+    const Policy p("snapkv(window=16) | pyramid | adakv");
+    Model a(3, false), c(3, false);
+    Inputs<float> ina = a.inputs(), inc = c.inputs();
+    p.compress(cpu_backend{}, a.k.mut_view(), a.v.mut_view(), ina, Budget::ratio(0.4));
+    kvtest::EmulatedDevice dev;
+    const auto plan = cuda::detail::plan(dev, p, inc, Budget::ratio(0.4), {});
+    std::vector<std::byte> storage(plan.workspace_bytes + 256);
+    void* ws = storage.data() + (256 - reinterpret_cast<std::uintptr_t>(storage.data()) % 256) % 256;
+    dev.ws_begin = static_cast<const std::byte*>(ws);
+    dev.ws_bytes = plan.workspace_bytes;
+    std::vector<std::int64_t> off(static_cast<std::size_t>(plan.rows + 1));
+    std::vector<std::int32_t> idx(static_cast<std::size_t>(plan.kept_capacity));
+    cuda::CsrSelection csr{kL, kH, off.data(), idx.data(), plan.kept_capacity};
+    cuda::detail::compress(dev, ws, plan.workspace_bytes, p, c.k.mut_view(), c.v.mut_view(), inc,
+                           Budget::ratio(0.4), csr, EventInfo{});
+    REQUIRE(dev.calls.back() == "compact");
+    REQUIRE(a.k.buf == c.k.buf);
+    REQUIRE(a.v.buf == c.v.buf);
+  }
+}
+
+TEST_CASE("device policy: stages without a device path, and bad arguments, are refused by name",
+          "[agreement][device_policy]") {
+  const Model m(5, false);
+  const Inputs<float> in = m.inputs();
+  const Budget b = Budget::ratio(0.3);
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("expected"), in, b),
+                      Contains("scorer 'expected' has no CUDA kernel"));
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("kvzip"), in, b), Contains("scorer 'kvzip' has no CUDA kernel"));
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("snapkv(window=16) | ams"), in, b),
+                      Contains("allocator 'ams' has no device path"));
+  // The scorer's own checks, as on the CPU path: the default snapkv window wants 64 queries (20
+  // given).
+  REQUIRE_THROWS_WITH(Policy("snapkv").select(cpu_backend{}, in, b), Contains("queries"));
+  REQUIRE_THROWS_WITH(run_emulated(Policy("snapkv"), in, b), Contains("queries"));
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm"), in, Budget::ratio(1.5)), Contains("above 1"));
+  EventInfo ev;
+  ev.first_layer = 4;
+  ev.model_layers = 6;
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm | pyramid"), in, b, ev),
+                      Contains("do not fit a model of 6 layers"));
+  const HeadShard shard{0, 1, 0, kH, nullptr, nullptr};
+  EventInfo sharded;
+  sharded.shard = &shard;
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm"), in, b, sharded), Contains("tensor parallelism"));
+
+  // Workspace and capacity below the plan: refused before any kernel runs.
+  const Policy p("snapkv(window=16) | adakv");
+  kvtest::EmulatedDevice dev;
+  const auto plan = cuda::detail::plan(dev, p, in, b, {});
+  std::vector<std::byte> storage(plan.workspace_bytes + 256);
+  void* ws = storage.data() + (256 - reinterpret_cast<std::uintptr_t>(storage.data()) % 256) % 256;
+  dev.ws_begin = static_cast<const std::byte*>(ws);
+  dev.ws_bytes = plan.workspace_bytes;
+  std::vector<std::int64_t> off(static_cast<std::size_t>(plan.rows + 1));
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(plan.kept_capacity));
+  cuda::CsrSelection csr{kL, kH, off.data(), idx.data(), plan.kept_capacity - 1};
+  REQUIRE_THROWS_WITH(cuda::detail::select(dev, ws, plan.workspace_bytes, p, in, b, csr, {}),
+                      Contains("kept_capacity"));
+  csr.capacity = plan.kept_capacity;
+  REQUIRE_THROWS_WITH(cuda::detail::select(dev, ws, plan.workspace_bytes - 1, p, in, b, csr, {}),
+                      Contains("workspace of"));
+  REQUIRE_THROWS_WITH(
+      cuda::detail::select(dev, static_cast<std::byte*>(ws) + 8, plan.workspace_bytes, p, in, b,
+                           csr, {}),
+      Contains("256-byte aligned"));
+  cuda::CsrSelection wrong{kL, kH + 1, off.data(), idx.data(), plan.kept_capacity};
+  REQUIRE_THROWS_WITH(cuda::detail::select(dev, ws, plan.workspace_bytes, p, in, b, wrong, {}),
+                      Contains("output selection is"));
+  REQUIRE(dev.calls.empty());
+}
+
+TEST_CASE("device policy on the GPU: every device scorer x allocator chain keeps the CPU's sets",
+          "[gpu][agreement][device_policy]") {
+  if (!kvtest::gpu_present()) return;
+#if defined(KVPOLICY_WITH_CUDA)
+  for (bool ties : {false, true}) {
+    Model m(ties ? 11 : 7, ties);
+    const Inputs<float> host = m.inputs();
+    auto dk = kvtest::upload(m.k.buf), dv = kvtest::upload(m.v.buf), dq = kvtest::upload(m.q.buf);
+    Inputs<float> in = host;
+    in.keys.data = static_cast<const float*>(dk.data());
+    in.values.data = static_cast<const float*>(dv.data());
+    in.queries.data = static_cast<const float*>(dq.data());
+    for (const auto& sc : scorers())
+      for (const auto& ch : chains())
+        for (const Budget& b : budgets()) {
+          const std::string spec = sc + ch;
+          INFO(spec << (ties ? " (ties)" : "") << " budget value " << b.value());
+          const Policy p(spec);
+          const Selection want = p.select(cpu_backend{}, host, b);
+          const cuda::PolicyPlan plan = cuda::plan(p, in, b);
+          cuda::DeviceBuffer ws(plan.workspace_bytes ? plan.workspace_bytes : 1);
+          cuda::DeviceBuffer off(static_cast<std::size_t>(plan.rows + 1) * sizeof(std::int64_t));
+          cuda::DeviceBuffer idx(static_cast<std::size_t>(std::max<std::int64_t>(plan.kept_capacity, 1)) *
+                                 sizeof(std::int32_t));
+          cuda::CsrSelection csr{kL, kH, static_cast<std::int64_t*>(off.data()),
+                                 static_cast<std::int32_t*>(idx.data()), plan.kept_capacity};
+          const cuda_backend be{nullptr, ws.data(), plan.workspace_bytes};
+          const cuda::PolicyEvent e = cuda::select(be, p, in, b, csr);
+          cuda::synchronize();
+          const auto offsets = kvtest::download<std::int64_t>(off, static_cast<std::size_t>(plan.rows + 1));
+          const auto indices = kvtest::download<std::int32_t>(idx, static_cast<std::size_t>(offsets.back()));
+          require_same_rows(want, cuda::from_csr(kL, kH, offsets, indices));
+          REQUIRE(e.warning == want.warning());
+        }
+  }
+#endif
+}
+
+}  // namespace kvt_agreement_device_policy
