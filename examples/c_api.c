@@ -131,6 +131,26 @@ int main(void) {
   printf("missing queries -> %s: %s\n", kvp_status_string(status), kvp_last_error());
   if (status != KVP_ERROR_INVALID_ARGUMENT) return 1;
 
+  /* 3b. The same policy on device tensors: kvp_cuda_compress_plan sizes the workspace and the
+   * CSR output of kvp_cuda_compress (device pointers, a cudaStream_t). A stage without a device
+   * path is refused by name; without a GPU the plan itself fails. */
+  {
+    kvp_cuda_plan plan;
+    kvp_policy* expected = NULL;
+    CHECK(kvp_policy_create("expected | adakv", &expected));
+    status = kvp_cuda_compress_plan(expected, &params, &k, &v, &q, &plan);
+    printf("expected on the GPU -> %s: %s\n", kvp_status_string(status), kvp_last_error());
+    if (status != KVP_ERROR_UNSUPPORTED) return 1;
+    kvp_policy_destroy(expected);
+    status = kvp_cuda_compress_plan(snapkv, &params, &k, &v, &q, &plan);
+    if (status == KVP_OK)
+      printf("snapkv | adakv on the GPU: %zu workspace bytes, %lld CSR indices\n",
+             plan.workspace_bytes, (long long)plan.kept_capacity);
+    else
+      printf("snapkv | adakv on the GPU -> %s (%d devices)\n", kvp_status_string(status),
+             kvp_cuda_device_count());
+  }
+
   /* 4. A session: prefill 128 tokens, compress to 50%, decode 4 tokens. */
   {
     kvp_session_config cfg = kvp_session_default_config();

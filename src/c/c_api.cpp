@@ -6,11 +6,10 @@
 #include <optional>
 
 #include "c/c_internal.hpp"
+#include "kvpolicy/cuda/policy.hpp"
 #include "kvpolicy/session.hpp"
 #if defined(KVPOLICY_WITH_CUDA)
-#include "kvpolicy/cuda/compact.hpp"
 #include "kvpolicy/cuda/runtime.hpp"
-#include "kvpolicy/cuda/select.hpp"
 #endif
 
 using namespace kvpolicy;
@@ -549,6 +548,18 @@ namespace {
 cuda::CsrSelection csr_of(const kvp_csr& c) {
   return {c.layers, c.heads, c.offsets, c.indices, c.capacity};
 }
+
+// f(), with a failed CUDA runtime call or launch reported as KVP_ERROR_CUDA.
+template <class F>
+decltype(auto) cuda_call(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("CUDA error") != std::string::npos)
+      raise(KVP_ERROR_CUDA, e.what());
+    throw;
+  }
+}
 }  // namespace
 
 extern "C" int kvp_cuda_device_count(void) { return cuda::device_count(); }
@@ -579,13 +590,7 @@ extern "C" kvp_status kvp_cuda_select(const float* scores, int64_t layers, int64
     cuda::ScoreView sv{scores, layers, heads, tokens, row_stride};
     cuda::CsrSelection sel = csr_of(*out);
     const std::span<const std::int64_t> b(budgets, static_cast<std::size_t>(layers * heads));
-    try {
-      cuda::select(be, sv, b, Protect{sinks, recent}, sel);
-    } catch (const Error& e) {
-      if (std::string(e.what()).find("CUDA error") != std::string::npos)
-        raise(KVP_ERROR_CUDA, e.what());
-      throw;
-    }
+    cuda_call([&] { cuda::select(be, sv, b, Protect{sinks, recent}, sel); });
   });
 }
 
@@ -608,13 +613,7 @@ extern "C" kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* sele
     const cuda_backend be{stream, workspace, workspace_bytes};
     dispatch(kv->dtype, "kv", [&](auto tag) {
       using T = decltype(tag);
-      try {
-        cuda::compact(be, view_of<T>(*kv, "kv"), csr_of(*selection));
-      } catch (const Error& e) {
-        if (std::string(e.what()).find("CUDA error") != std::string::npos)
-          raise(KVP_ERROR_CUDA, e.what());
-        throw;
-      }
+      cuda_call([&] { cuda::compact(be, view_of<T>(*kv, "kv"), csr_of(*selection)); });
     });
   });
 }
@@ -641,5 +640,118 @@ extern "C" kvp_status kvp_cuda_compact_workspace_size(const kvp_tensor*, size_t*
 }
 extern "C" kvp_status kvp_cuda_compact(const kvp_tensor*, const kvp_csr*, void*, size_t, void*) {
   return guard([] { no_cuda("kvp_cuda_compact"); });
+}
+#endif
+
+// ---- A policy on device tensors -----------------------------------------------------------------
+
+namespace {
+
+// The checks kvp_cuda_compress_plan and kvp_cuda_compress share (both builds, before anything
+// touches the device), then f(policy, params, budget, inputs, keys, values) with the event's
+// views of device memory (nothing is read through them here).
+template <class F>
+void with_device_event(const kvp_policy* policy, const kvp_compress_params* params,
+                       const kvp_tensor* keys, const kvp_tensor* values, const kvp_tensor* queries,
+                       const char* call, F&& f) {
+  KVP_C_NONNULL(policy, "policy");
+  KVP_C_NONNULL(keys, "keys");
+  kvp_compress_params storage;
+  const kvp_compress_params& prm = params_or_default(params, storage);
+  const Policy& p = policy->policy;
+  require_policy_stages_dense(p, call);
+  require_no_shard(prm, call);
+  const Budget budget = budget_from(prm.budget, "params.budget");
+  dispatch(keys->dtype, "keys", [&](auto tag) {
+    using T = decltype(tag);
+    const std::string why = cuda::detail::unsupported_stage<T>(p);
+    if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: " + std::string(call) + ": " + why);
+    const KVView<T> k = view_of<T>(*keys, "keys");
+    KVView<T> v;
+    if (values && values->data) v = view_of<T>(*values, "values");
+    KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
+                "values to compact, or compact = 0 to select only)");
+    Inputs<T> in;
+    in.keys = k;
+    in.values = v;
+    if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+    f(p, prm, budget, in, k, v);
+  });
+}
+
+}  // namespace
+
+#if defined(KVPOLICY_WITH_CUDA)
+extern "C" kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
+                                             const kvp_compress_params* params,
+                                             const kvp_tensor* keys, const kvp_tensor* values,
+                                             const kvp_tensor* queries, kvp_cuda_plan* out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress_plan",
+                      [&](const Policy& p, const kvp_compress_params&, const Budget& budget,
+                          const auto& in, const auto&, const auto&) {
+                        const cuda::PolicyPlan plan =
+                            cuda_call([&] { return cuda::plan(p, in, budget); });
+                        *out = {plan.workspace_bytes, plan.rows, plan.kept_capacity};
+                      });
+  });
+}
+
+extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
+                                        const kvp_compress_params* params,
+                                        const kvp_tensor* keys, const kvp_tensor* values,
+                                        const kvp_tensor* queries, void* workspace,
+                                        size_t workspace_bytes, void* stream, kvp_csr* out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    with_device_event(
+        policy, params, keys, values, queries, "kvp_cuda_compress",
+        [&](const Policy& p, const kvp_compress_params& prm, const Budget& budget, const auto& in,
+            const auto& k, const auto& v) {
+          const cuda::PolicyPlan plan = cuda_call([&] { return cuda::plan(p, in, budget); });
+          if (workspace_bytes < plan.workspace_bytes)
+            raise(KVP_ERROR_BUFFER_TOO_SMALL,
+                  "kvpolicy: kvp_cuda_compress: workspace_bytes is " +
+                      std::to_string(workspace_bytes) + " but the call needs " +
+                      std::to_string(plan.workspace_bytes) + " (kvp_cuda_compress_plan)");
+          if (out->capacity < plan.kept_capacity)
+            raise(KVP_ERROR_BUFFER_TOO_SMALL,
+                  "kvpolicy: kvp_cuda_compress: out->capacity is " + std::to_string(out->capacity) +
+                      " but the call keeps up to " + std::to_string(plan.kept_capacity) +
+                      " tokens (kvp_cuda_compress_plan)");
+          KVP_REQUIRE(out->offsets && (plan.kept_capacity == 0 || out->indices),
+                      "out->offsets or out->indices is NULL");
+          cuda::CsrSelection sel = csr_of(*out);
+          const cuda_backend be{stream, workspace, workspace_bytes};
+          const cuda::PolicyEvent e = cuda_call([&] {
+            return prm.compact ? cuda::compress(be, p, k, v, in, budget, sel)
+                               : cuda::select(be, p, in, budget, sel);
+          });
+          set_warning(e.warning);
+        });
+  });
+}
+#else
+extern "C" kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
+                                             const kvp_compress_params* params,
+                                             const kvp_tensor* keys, const kvp_tensor* values,
+                                             const kvp_tensor* queries, kvp_cuda_plan* out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress_plan",
+                      [](auto&&...) { no_cuda("kvp_cuda_compress_plan"); });
+  });
+}
+extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
+                                        const kvp_compress_params* params,
+                                        const kvp_tensor* keys, const kvp_tensor* values,
+                                        const kvp_tensor* queries, void*, size_t, void*,
+                                        kvp_csr* out) {
+  return guard([&] {
+    KVP_C_NONNULL(out, "out");
+    with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress",
+                      [](auto&&...) { no_cuda("kvp_cuda_compress"); });
+  });
 }
 #endif

@@ -49,8 +49,9 @@ extern "C" {
 
 /* ---- Status and errors ------------------------------------------------------------------- */
 
-/* 2: kvp_compress_params.shard and kvp_policy_info.spans_heads (tensor parallelism). */
-#define KVP_ABI_VERSION 2
+/* 2: kvp_compress_params.shard and kvp_policy_info.spans_heads (tensor parallelism).
+ * 3: kvp_cuda_compress_plan and kvp_cuda_compress (a whole policy on device tensors). */
+#define KVP_ABI_VERSION 3
 
 typedef enum kvp_status {
   KVP_OK = 0,
@@ -395,6 +396,32 @@ KVP_API kvp_status kvp_cuda_compact_workspace_size(const kvp_tensor* kv, size_t*
 /* In-place gather-compact of a device tensor with a device CSR selection. */
 KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selection,
                                     void* workspace, size_t workspace_bytes, void* stream);
+
+/* A whole policy on device tensors: the policy's scorer and allocators select on the GPU, then
+ * (params->compact) keys and values are compacted in place, every kernel on `stream`. Device
+ * stages: scorers snapkv, h2o, tova, knorm, keydiff, streaming; allocators uniform, pyramid,
+ * depthkv, adakv. Another stage, params->shard, or a policy with a merger or quantizer gives
+ * KVP_ERROR_UNSUPPORTED (use kvp_compress). The kept sets equal kvp_compress's on the same data.
+ * keys, values, queries: device memory, as kvp_compress takes them (values may be NULL when
+ * params->compact is 0). params->threads is ignored. NaN/Inf in the inputs are not checked.
+ * One host synchronisation per call: the per-row budgets are computed on the host and uploaded
+ * before the first kernel (it waits for the work already on `stream`); the rest is asynchronous,
+ * and `out` is ready when `stream` is. kvp_last_warning() as for kvp_compress. */
+typedef struct kvp_cuda_plan {
+  size_t workspace_bytes; /* the call's workspace (256-byte aligned, e.g. from cudaMalloc) */
+  int64_t rows;           /* layers * KV heads: out->offsets holds rows + 1 entries */
+  int64_t kept_capacity;  /* out->capacity the call needs */
+} kvp_cuda_plan;
+
+/* Sizes for kvp_cuda_compress with these arguments (shapes only; the data is not read). */
+KVP_API kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
+                                          const kvp_compress_params* params,
+                                          const kvp_tensor* keys, const kvp_tensor* values,
+                                          const kvp_tensor* queries, kvp_cuda_plan* out);
+KVP_API kvp_status kvp_cuda_compress(const kvp_policy* policy, const kvp_compress_params* params,
+                                     const kvp_tensor* keys, const kvp_tensor* values,
+                                     const kvp_tensor* queries, void* workspace,
+                                     size_t workspace_bytes, void* stream, kvp_csr* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

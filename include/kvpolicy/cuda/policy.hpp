@@ -125,6 +125,37 @@ struct cuda_device {
   }
 };
 
+// "" when every stage of `policy` has a device path for element type T, else why not (naming
+// the stage). The C ABI reports it as KVP_ERROR_UNSUPPORTED.
+template <Element T>
+std::string unsupported_stage(const Policy& policy) {
+  std::string why;
+  if (!policy.keeps_all())
+    std::visit(
+        [&](const auto& s) {
+          using S = std::decay_t<decltype(s)>;
+          if constexpr (!device_scorer<S, T>)
+            why = kvpolicy::detail::cat(
+                "cuda policy '", policy.spec(), "': scorer '", policy.scorer_name(),
+                "' has no CUDA kernel (device scorers: snapkv, h2o, tova, knorm, keydiff, "
+                "streaming); run it with the cpu_backend");
+        },
+        policy.scorer());
+  for (const auto& a : policy.allocators())
+    std::visit(
+        [&](const auto& al) {
+          using A = std::decay_t<decltype(al)>;
+          if constexpr (!std::is_same_v<A, AdaKV> && !host_allocator<A>())
+            if (why.empty())
+              why = kvpolicy::detail::cat(
+                  "cuda policy '", policy.spec(), "': allocator '", A::name,
+                  "' has no device path yet (device allocators: uniform, pyramid, depthkv, "
+                  "adakv); run it with the cpu_backend");
+        },
+        a);
+  return why;
+}
+
 // The host half of an event: checks, budgets after the host allocators, protection.
 struct EventSetup {
   std::vector<std::int64_t> budgets;  // per row, after the host-side allocators
@@ -142,30 +173,10 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
               "shard) runs on the CPU path only for now");
   KVP_REQUIRE(!ev.alloc_state, "cuda policy '", policy.spec(),
               "': allocator state (EventInfo::alloc_state) runs on the CPU path only for now");
-  if (!policy.keeps_all())
-    std::visit(
-        [&](const auto& s) {
-          using S = std::decay_t<decltype(s)>;
-          if constexpr (!device_scorer<S, T>)
-            KVP_REQUIRE(false, "cuda policy '", policy.spec(), "': scorer '", label,
-                        "' has no CUDA kernel (device scorers: snapkv, h2o, tova, knorm, "
-                        "keydiff, streaming); run it with the cpu_backend");
-        },
-        policy.scorer());
+  const std::string unsupported = unsupported_stage<T>(policy);
+  KVP_REQUIRE(unsupported.empty(), unsupported);
   bool on_device = false;
-  for (const auto& a : policy.allocators())
-    std::visit(
-        [&](const auto& al) {
-          using A = std::decay_t<decltype(al)>;
-          if constexpr (std::is_same_v<A, AdaKV>) {
-            on_device = true;
-          } else if constexpr (!host_allocator<A>()) {
-            KVP_REQUIRE(false, "cuda policy '", policy.spec(), "': allocator '", A::name,
-                        "' has no device path yet (device allocators: uniform, pyramid, depthkv, "
-                        "adakv); run it with the cpu_backend");
-          }
-        },
-        a);
+  for (const auto& a : policy.allocators()) on_device = on_device || std::holds_alternative<AdaKV>(a);
   validate(in, policy.needs(), policy.query_window());
   kvpolicy::detail::check_event_layers(ev, in.layers());
   EventSetup s;

@@ -1,0 +1,153 @@
+// kvp_cuda_compress_plan / kvp_cuda_compress: a whole policy on device tensors through the C ABI.
+// The argument checks run in every build, before the device is touched; the [gpu] case compares
+// the device call's kept sets and compacted cache with kvp_compress on the host.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "agreement/gpu_util.hpp"
+#include "c_api/c_util.hpp"
+#include "common/random_kv.hpp"
+#include "kvpolicy/c/kvpolicy.h"
+
+namespace kvt_c_api_c_cuda_policy {
+
+using ctest::make;
+using ctest::mentions;
+
+namespace {
+
+constexpr std::int64_t kL = 2, kH = 2, kG = 2, kT = 64, kD = 8, kQ = 16;
+
+struct Data {
+  std::vector<float> k, v, q;
+  explicit Data(std::uint64_t seed) {
+    kvtest::Rng rng(seed);
+    k = rng.normals(kL * kH * kT * kD);
+    v = rng.normals(kL * kH * kT * kD);
+    q = rng.normals(kL * kH * kG * kQ * kD);
+  }
+};
+
+kvp_tensor keys_of(float* p) { return kvp_tensor_hnd(p, KVP_F32, kL, kH, kT, kD); }
+kvp_tensor queries_of(float* p) { return kvp_tensor_hnd(p, KVP_F32, kL, kH * kG, kQ, kD); }
+
+}  // namespace
+
+TEST_CASE("C ABI: kvp_cuda_compress checks its arguments before touching the device", "[c_api]") {
+  Data d(1);
+  kvp_tensor k = keys_of(d.k.data()), v = keys_of(d.v.data()), q = queries_of(d.q.data());
+  kvp_cuda_plan plan{};
+  kvp_csr out{};
+  kvp_compress_params prm = kvp_compress_default_params();
+
+  CHECK(kvp_cuda_compress_plan(nullptr, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("policy"));
+  kvp_policy* p = make("snapkv(window=8) | pyramid | adakv");
+  CHECK(kvp_cuda_compress_plan(p, &prm, nullptr, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("keys"));
+  CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(kvp_cuda_compress(p, &prm, &k, &v, &q, nullptr, 0, nullptr, nullptr) ==
+        KVP_ERROR_INVALID_ARGUMENT);
+
+  SECTION("stages without a device path, a merger and a shard: unsupported, by name") {
+    for (const char* spec : {"expected", "kvzip", "snapkv(window=8) | ams"}) {
+      INFO(spec);
+      kvp_policy* u = make(spec);
+      CHECK(kvp_cuda_compress_plan(u, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
+      CHECK(mentions("cpu_backend"));
+      CHECK(kvp_cuda_compress(u, &prm, &k, &v, &q, nullptr, 0, nullptr, &out) ==
+            KVP_ERROR_UNSUPPORTED);
+      kvp_policy_destroy(u);
+    }
+    kvp_policy* m = make("snapkv(window=8) | semantic");
+    CHECK(kvp_cuda_compress_plan(m, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
+    CHECK(mentions("merger"));
+    kvp_policy_destroy(m);
+    const kvp_head_shard shard{0, 1, 0, kH, nullptr, nullptr};
+    prm.shard = &shard;
+    CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
+    CHECK(mentions("shard"));
+  }
+  SECTION("bad budgets, shapes and dtypes") {
+    prm.budget = {KVP_BUDGET_RATIO, 1.5};
+    CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("above 1"));
+    prm = kvp_compress_default_params();
+    CHECK(kvp_cuda_compress_plan(p, &prm, &k, nullptr, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("values is NULL but params.compact is set"));
+    kvp_tensor qh = q;
+    qh.dtype = KVP_F16;
+    CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &qh, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("dtype"));
+    kvp_tensor bad = k;
+    bad.stride_head = -1;
+    CHECK(kvp_cuda_compress_plan(p, &prm, &bad, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("negative head stride"));
+    prm.struct_size = 3;
+    CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+  }
+  SECTION("valid arguments without a usable device: an error, not a result") {
+    if (kvp_cuda_device_count() > 0) {
+      SUCCEED("a device is present: the [gpu] case runs the call");
+    } else {
+      const kvp_status s = kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan);
+      CHECK((s == KVP_ERROR_UNSUPPORTED || s == KVP_ERROR_CUDA));
+      CHECK(std::string(kvp_last_error()).size() > 10);
+    }
+  }
+  kvp_policy_destroy(p);
+}
+
+TEST_CASE("C ABI: kvp_cuda_compress on the GPU keeps and compacts what kvp_compress does",
+          "[gpu][c_api]") {
+  if (!kvtest::gpu_present()) return;
+#if defined(KVPOLICY_WITH_CUDA)
+  for (const char* spec : {"snapkv(window=8) | pyramid | adakv", "tova", "knorm | adakv(alpha=0)",
+                           "h2o | depthkv(weights=1:3)", "streaming"}) {
+    INFO(spec);
+    kvp_policy* p = make(spec);
+    Data host(7), dev_data(7);
+    kvp_compress_params prm = kvp_compress_default_params();
+    prm.budget = {KVP_BUDGET_RATIO, 0.3};
+    // Host reference.
+    kvp_tensor hk = keys_of(host.k.data()), hv = keys_of(host.v.data()),
+               hq = queries_of(host.q.data());
+    ctest::SelOut want(kL, kH, kT);
+    REQUIRE(kvp_compress(p, &prm, &hk, &hv, &hq, nullptr, 0, &want.sel) == KVP_OK);
+    // Device call.
+    auto dk = kvtest::upload(dev_data.k), dv = kvtest::upload(dev_data.v),
+         dq = kvtest::upload(dev_data.q);
+    kvp_tensor k = keys_of(static_cast<float*>(dk.data())),
+               v = keys_of(static_cast<float*>(dv.data())),
+               q = queries_of(static_cast<float*>(dq.data()));
+    kvp_cuda_plan plan{};
+    REQUIRE(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_OK);
+    REQUIRE(plan.rows == kL * kH);
+    kvpolicy::cuda::DeviceBuffer ws(plan.workspace_bytes ? plan.workspace_bytes : 1);
+    kvpolicy::cuda::DeviceBuffer off(static_cast<std::size_t>(plan.rows + 1) * 8);
+    kvpolicy::cuda::DeviceBuffer idx(static_cast<std::size_t>(plan.kept_capacity + 1) * 4);
+    kvp_csr out{kL, kH, static_cast<std::int64_t*>(off.data()),
+                static_cast<std::int32_t*>(idx.data()), plan.kept_capacity};
+    CHECK(kvp_cuda_compress(p, &prm, &k, &v, &q, ws.data(), plan.workspace_bytes - 1, nullptr,
+                            &out) == KVP_ERROR_BUFFER_TOO_SMALL);
+    REQUIRE(kvp_cuda_compress(p, &prm, &k, &v, &q, ws.data(), plan.workspace_bytes, nullptr,
+                              &out) == KVP_OK);
+    kvpolicy::cuda::synchronize();
+    const auto offsets = kvtest::download<std::int64_t>(off, static_cast<std::size_t>(plan.rows + 1));
+    const auto indices = kvtest::download<std::int32_t>(idx, static_cast<std::size_t>(offsets.back()));
+    for (std::int64_t r = 0; r < plan.rows; ++r) {
+      const auto b = static_cast<std::size_t>(offsets[static_cast<std::size_t>(r)]);
+      const auto e = static_cast<std::size_t>(offsets[static_cast<std::size_t>(r) + 1]);
+      CHECK(std::vector<std::int32_t>(indices.begin() + b, indices.begin() + e) == want.row(r));
+    }
+    CHECK(kvtest::download<float>(dk, host.k.size()) == host.k);
+    CHECK(kvtest::download<float>(dv, host.v.size()) == host.v);
+    kvp_policy_destroy(p);
+  }
+#endif
+}
+
+}  // namespace kvt_c_api_c_cuda_policy
