@@ -206,24 +206,4 @@ concept Merger = std::is_trivially_copyable_v<M> &&
       m.merge(be, args);
     };
 
-// Quantizer: K/V rows -> packed blocks and back.
-template <class Q>
-concept Quantizer = std::is_trivially_copyable_v<Q> &&
-    requires(const Q q, const KVView<const float>& src, const KVView<float>& dst,
-             std::span<std::byte> packed, std::span<const std::byte> cpacked, std::int64_t n) {
-      { Q::name } -> std::convertible_to<std::string_view>;
-      { q.bits() } -> std::convertible_to<int>;
-      { q.packed_bytes(n, n) } -> std::convertible_to<std::size_t>;  // (tokens, head_dim)
-      q.encode(src, packed);
-      q.decode(cpacked, dst);
-    };
-
-// Backend: a tag value that ops are overloaded on.
-template <class B>
-concept Backend = std::is_trivially_copyable_v<B> && requires {
-  { B::kind } -> std::convertible_to<BackendKind>;
-};
-
-static_assert(Backend<cpu_backend> && Backend<cuda_backend>);
-
 }  // namespace kvpolicy

@@ -17,6 +17,7 @@
 #include "kvpolicy/cpu/pooling.hpp"
 #include "kvpolicy/cpu/select.hpp"
 #include "kvpolicy/cpu/window_attention.hpp"
+#include "kvpolicy/ops.hpp"
 #include "kvpolicy/paged.hpp"
 #include "kvpolicy/pipeline.hpp"
 #include "kvpolicy/policy.hpp"

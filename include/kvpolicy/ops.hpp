@@ -7,6 +7,8 @@
 #pragma once
 #include <cstddef>
 #include <span>
+#include <type_traits>
+#include <utility>
 
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/cpu/compact.hpp"
@@ -127,3 +129,33 @@ void window_attention(const cuda_backend& be, const KVView<const T>& keys,
 #endif  // KVPOLICY_WITH_CUDA
 
 }  // namespace kvpolicy::ops
+
+namespace kvpolicy {
+
+// Backend: what code written against ops:: needs of a backend value (tests/agreement's
+// select_and_compact is one): its kind, the score and selection types it works on
+// (ops::backend_traits), a workspace query for the selection, the selection itself, and the
+// in-place compaction of a cache by a selection. cpu_backend models it; cuda_backend does in a
+// build with KVPOLICY_WITH_CUDA. A backend's stages (scorers, allocators) are overloads on it as
+// well (cuda/policy.hpp detects them per stage), which a concept cannot list.
+template <class B>
+concept Backend = std::is_trivially_copyable_v<B> &&
+    requires {
+      { B::kind } -> std::convertible_to<BackendKind>;
+      typename ops::backend_traits<B>::scores;
+      typename ops::backend_traits<B>::selection;
+    } &&
+    requires(const B be, const ops::scores_t<B>& scores, std::span<const std::int64_t> budgets,
+             Protect p, ops::selection_t<B>& out, const KVView<float>& kv) {
+      { ops::select_workspace_bytes(be, std::int64_t{}, std::int64_t{}) }
+          -> std::convertible_to<std::size_t>;
+      ops::select(be, scores, budgets, p, out);
+      ops::compact(be, kv, std::as_const(out));
+    };
+
+static_assert(Backend<cpu_backend>);
+#if defined(KVPOLICY_WITH_CUDA)
+static_assert(Backend<cuda_backend>);
+#endif
+
+}  // namespace kvpolicy

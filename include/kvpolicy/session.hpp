@@ -570,19 +570,18 @@ class Session {
     });
     for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
       L.lengths[static_cast<std::size_t>(h)] = sel.count(0, h);
-    if (const auto qc = policy_.quant_config()) {
-      // Eviction first, then the survivors go into packed caches; fp storage is released. Each
-      // head's residual window shrinks to what its survivors allow (quant::fit_residual), so the
-      // packed cache never holds more bytes than the full-precision one it replaces.
+    if (const auto& quantizer = policy_.quantizer()) {
+      // Eviction first, then the quantizer stage packs each head's survivors (its residual window
+      // fitted to them, so the packed cache never holds more bytes than the full-precision one it
+      // replaces); fp storage is released.
       std::vector<quant::PackedCache> packed;
-      for (std::int64_t h = 0; h < H; ++h) {
-        quant::QuantConfig c = *qc;
-        c.residual = static_cast<int>(quant::fit_residual(
-            c, d, L.lengths[static_cast<std::size_t>(h)], static_cast<std::size_t>(2 * d) * sizeof(T)));
-        packed.emplace_back(c, d, policy_.quantizer_name());
-        packed.back().append(KVView<const T>(k_mut), KVView<const T>(v_mut), 0, h, 0,
-                             L.lengths[static_cast<std::size_t>(h)]);
-      }
+      for (std::int64_t h = 0; h < H; ++h)
+        packed.push_back(std::visit(
+            [&](const auto& q) {
+              return q.pack(KVView<const T>(k_mut), KVView<const T>(v_mut), 0, h,
+                            L.lengths[static_cast<std::size_t>(h)]);
+            },
+            *quantizer));
       L.packed = std::move(packed);
       std::vector<T>().swap(L.k);
       std::vector<T>().swap(L.v);

@@ -123,7 +123,7 @@ void require_same_selection(const Selection& got, const Selection& want) {
 
 // ---- the pipeline under test: written once, against ops::, for any backend ----------------
 
-template <class B, class T>
+template <Backend B, class T>
 void select_and_compact(const B& be, const ops::scores_t<B>& scores,
                         std::span<const std::int64_t> budgets, Protect p, ops::selection_t<B>& sel,
                         const KVView<T>& keys, const KVView<T>& values) {

@@ -20,6 +20,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -402,4 +403,35 @@ class PackedCache {
   std::vector<float> res_k_, res_v_, res_norm_;  // [res_n_][d], [res_n_][d], [res_n_] in front
 };
 
+template <class Tag>
+template <class T>
+PackedCache BasicQuantizer<Tag>::pack(const KVView<const T>& keys, const KVView<const T>& values,
+                                      std::int64_t layer, std::int64_t head,
+                                      std::int64_t tokens) const {
+  QuantConfig c = config;
+  const std::int64_t d = keys.dim;
+  c.residual = static_cast<int>(
+      fit_residual(c, d, tokens, static_cast<std::size_t>(2 * d) * sizeof(T)));
+  PackedCache p(c, d, name);
+  p.append(keys, values, layer, head, 0, tokens);
+  return p;
+}
+
 }  // namespace kvpolicy::quant
+
+namespace kvpolicy {
+
+// Quantizer: the last stage of a policy. A Session hands it each KV head's survivors after the
+// prefill eviction; pack() returns them as a quant::PackedCache, which the Session stores and
+// attends over (packed_attention) in place of the full-precision rows. bits(): the code width.
+template <class Q>
+concept Quantizer = std::is_trivially_copyable_v<Q> &&
+    requires(const Q q, const KVView<const float>& kv, std::int64_t n) {
+      { Q::name } -> std::convertible_to<std::string_view>;
+      { q.bits() } -> std::convertible_to<int>;
+      { q.pack(kv, kv, n, n, n) } -> std::same_as<quant::PackedCache>;
+    };
+
+static_assert(Quantizer<quant::Int2> && Quantizer<quant::Int4> && Quantizer<quant::Kivi>);
+
+}  // namespace kvpolicy

@@ -394,12 +394,16 @@ void decode_value_tile(const std::byte* in, int n, std::int64_t d, float* v) {
 
 // --- The policy stage ------------------------------------------------------------------------
 
+class PackedCache;  // packed_cache.hpp
+
 // One value type for int2 / int4 / kivi (Tag gives the spec name and defaults). Models
-// kvpolicy::Quantizer: encode()/decode() pack one part (keys or values: `part`) of a whole view
-// [layer][head][token][dim], row (l, h) at byte offset (l * heads + h) * packed_bytes(tokens,
-// dim), as ceil(tokens / group) tiles. Decoding returns the original space (norm multiplied back,
-// rotated back). A Session keeps a PackedCache per (layer, KV head) instead (residual window,
-// decode-time appends) and reads it with packed_attention (attention.hpp).
+// kvpolicy::Quantizer (packed_cache.hpp) through pack(): what a Session calls to turn one KV
+// head's survivors into a PackedCache (packed tiles plus the fp32 residual window, read by
+// packed_attention in attention.hpp). encode()/decode() apply the same codes to one part (keys
+// or values: `part`) of a whole view [layer][head][token][dim], row (l, h) at byte offset
+// (l * heads + h) * packed_bytes(tokens, dim), as ceil(tokens / group) tiles, without a residual
+// window; decoding returns the original space (norm multiplied back, rotated back). They are the
+// whole-view codec the CUDA encode/decode kernels reproduce byte for byte.
 template <class Tag>
 struct BasicQuantizer {
   static constexpr std::string_view name = Tag::name;
@@ -456,6 +460,13 @@ struct BasicQuantizer {
       }
     });
   }
+
+  // Tokens [0, tokens) of (layer, head) of two views (a head's survivors after eviction) as a
+  // packed cache whose residual window is fitted to them (quant::fit_residual: never more bytes
+  // than the full-precision rows it replaces). Defined in packed_cache.hpp.
+  template <class T>
+  PackedCache pack(const KVView<const T>& keys, const KVView<const T>& values, std::int64_t layer,
+                   std::int64_t head, std::int64_t tokens) const;
 
   // Spec parameters: int2/int4 take group, residual, rotate, token_norm; kivi takes bits, group,
   // residual. The caller (registry) rejects unread names with Params::finish().
@@ -518,3 +529,6 @@ using Int4 = BasicQuantizer<Int4Tag>;
 using Kivi = BasicQuantizer<KiviTag>;
 
 }  // namespace kvpolicy::quant
+
+// BasicQuantizer::pack and the Quantizer concept need PackedCache.
+#include "kvpolicy/quant/packed_cache.hpp"
