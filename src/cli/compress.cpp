@@ -37,6 +37,15 @@
 #include "npy.hpp"
 
 namespace kvpolicy_cli {
+
+std::string policy_help() {
+  using kvpolicy::detail::names_of;
+  return "policy spec, e.g. \"snapkv(window=32) | adakv\": a scorer (" +
+         names_of(static_cast<kvpolicy::scorer_types*>(nullptr)) + "), then allocators (" +
+         names_of(static_cast<kvpolicy::allocator_types*>(nullptr)) +
+         "); mergers and quantizers are Session stages. Stage parameters: README, Policies";
+}
+
 namespace {
 
 namespace fs = std::filesystem;

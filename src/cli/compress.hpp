@@ -18,6 +18,10 @@ struct CompressOptions {
   int threads = 0;      // OpenMP threads; 0: OpenMP's default
 };
 
+// The --policy option's help: the spec grammar with every registered stage by name
+// (registry.hpp), so that a new stage needs no edit here.
+std::string policy_help();
+
 // Runs the command, printing a one-line summary (and the report) to `out`. Throws Failure (the
 // file or option at fault and the problem); then nothing has been left in opts.out.
 void compress(const CompressOptions& opts, std::ostream& out);

@@ -59,12 +59,7 @@ int main(int argc, char** argv) {
   c->add_option("--values", o.values, "values .npy")->required();
   c->add_option("--queries", o.queries,
                 "queries .npy, for policies that read them (default: none)");
-  c->add_option("--policy", o.policy,
-                "policy spec, e.g. \"snapkv(window=32) | adakv\": a scorer (h2o, snapkv, "
-                "streaming, tova, knorm, keydiff, expected(theta=<RoPE base>)), then allocators "
-                "(uniform, pyramid, depthkv, "
-                "adakv, ams)")
-      ->required();
+  c->add_option("--policy", o.policy, kvpolicy_cli::policy_help())->required();
   CLI::Option* budget =
       c->add_option("--budget", o.budget,
                     "kept fraction in (0, 1] of each (layer, KV head)'s T tokens: round(r * T), "

@@ -97,9 +97,19 @@ cuda::PolicyPlan plan_emulated(const Policy& p, const Inputs<float>& in, const B
   return cuda::detail::plan(kvtest::EmulatedDevice{}, p, in, b, ev);
 }
 
+// Every registered scorer with a device path (so that a new kernel is compared here without an
+// edit), snapkv with a window that leaves tokens to evict.
 const std::vector<std::string>& scorers() {
-  static const std::vector<std::string> s = {"snapkv(window=16,kernel=5)", "h2o", "tova", "knorm",
-                                             "keydiff", "streaming(sinks=3)"};
+  static const std::vector<std::string> s = [] {
+    std::vector<std::string> out;
+    auto add = [&](auto sc) {
+      using S = decltype(sc);
+      if constexpr (cuda::detail::device_scorer<S, float>)
+        out.push_back(S::name == "snapkv" ? "snapkv(window=16,kernel=5)" : std::string(S::name));
+    };
+    std::apply([&](auto... sc) { (add(sc), ...); }, scorer_types{});
+    return out;
+  }();
   return s;
 }
 const std::vector<std::string>& chains() {
@@ -123,6 +133,7 @@ std::vector<Budget> budgets() {
 
 TEST_CASE("device policy (emulated kernels): every device scorer x allocator chain keeps the CPU's sets",
           "[agreement][device_policy]") {
+  REQUIRE(scorers().size() == 6);  // h2o, snapkv, streaming, tova, knorm, keydiff
   for (bool ties : {false, true}) {
     const Model m(ties ? 11 : 7, ties);
     const Inputs<float> in = m.inputs();
@@ -207,6 +218,129 @@ TEST_CASE("device policy (emulated kernels): layered events, small budgets and t
     REQUIRE(dev.calls.back() == "compact");
     REQUIRE(a.k.buf == c.k.buf);
     REQUIRE(a.v.buf == c.v.buf);
+  }
+}
+
+TEST_CASE("device policy (emulated kernels): a paged request is selected and compacted as "
+          "compress_paged does", "[agreement][device_policy]") {
+  constexpr std::int64_t kP = 8, kBlocks = 14, kN = 45;  // 6 pages of 8 tokens
+  const Model m(4, false);
+  kvtest::Rng rng(21);
+  std::vector<float> kpool(static_cast<std::size_t>(kL * kBlocks * kP * kH * kD)), vpool(kpool.size());
+  for (auto& e : kpool) e = static_cast<float>(2.0 * rng.uniform());
+  for (auto& e : vpool) e = static_cast<float>(2.0 * rng.uniform());
+  const std::vector<std::int32_t> table = {9, 2, 13, 5, 0, 11, 7};  // the last entry: padding
+  const PagedSequence seq{table, kN};
+  for (const char* spec : {"snapkv(window=16) | pyramid | adakv", "knorm | adakv(alpha=0)", "tova",
+                           "streaming", "h2o | depthkv(weights=1:2:3)", "keydiff | uniform"})
+    for (const Budget& b : {Budget::ratio(0.3), Budget::total(kL * kH * 11 + 2), Budget::ratio(1.0)}) {
+      INFO(spec << " budget value " << b.value());
+      const Policy p(spec);
+      std::vector<float> ka = kpool, va = vpool, kb = kpool, vb = vpool;
+      auto pool = [](std::vector<float>& x) {
+        return PagedKVView<float>::nhd(x.data(), kBlocks, kL, kH, kP, kD);
+      };
+      const PagedCompressResult want =
+          compress_paged(p, cpu_backend{}, pool(ka), pool(va), seq, m.q.view(), b);
+      kvtest::EmulatedDevice dev;
+      const cuda::PolicyPlan plan =
+          cuda::detail::plan_paged(dev, p, pool(kb), pool(vb), seq, m.q.view(), b);
+      std::vector<std::byte> storage(plan.workspace_bytes + 256);
+      void* ws = storage.data() + (256 - reinterpret_cast<std::uintptr_t>(storage.data()) % 256) % 256;
+      std::memset(ws, 0xff, plan.workspace_bytes);
+      dev.ws_begin = static_cast<const std::byte*>(ws);
+      dev.ws_bytes = plan.workspace_bytes;
+      std::vector<std::int64_t> off(static_cast<std::size_t>(plan.rows + 1));
+      std::vector<std::int32_t> idx(static_cast<std::size_t>(plan.kept_capacity));
+      cuda::CsrSelection csr{kL, kH, off.data(), idx.data(), plan.kept_capacity};
+      const cuda::PolicyEvent e = cuda::detail::compress_paged(
+          dev, ws, plan.workspace_bytes, p, pool(kb), pool(vb), seq, table.data(), m.q.view(), b, csr);
+      require_same_rows(want.selection, cuda::from_csr(kL, kH, off, idx));
+      REQUIRE(e.warning == want.selection.warning());
+      REQUIRE(kb == ka);
+      REQUIRE(vb == va);
+      REQUIRE(dev.calls.front() == "paged_gather");
+      REQUIRE(dev.calls.back() == "paged_compact");
+      // What the host learns from the offsets alone: compress_paged's bookkeeping.
+      const cuda::PagedBookkeeping book = cuda::paged_bookkeeping(off, seq, kP);
+      REQUIRE(book.new_length == want.compact.new_length);
+      REQUIRE(book.freed_blocks == want.compact.freed_blocks);
+    }
+  kvtest::EmulatedDevice dev;
+  std::vector<float> k = kpool;
+  const auto pool = PagedKVView<float>::nhd(k.data(), kBlocks, kL, kH, kP, kD);
+  const std::vector<std::int32_t> twice = {9, 2, 9, 5, 0, 11};
+  const PagedKVView<float> none{};
+  REQUIRE_THROWS_WITH(cuda::detail::plan_paged(dev, Policy("knorm"), pool, none,
+                                               PagedSequence{twice, kN}, m.q.view(), Budget::ratio(0.5)),
+                      Contains("appears twice"));
+  REQUIRE_THROWS_WITH(cuda::detail::plan_paged(dev, Policy("knorm"), pool, pool, seq, m.q.view(),
+                                               Budget::ratio(0.5)),
+                      Contains("same memory as keys"));
+  REQUIRE_THROWS_WITH(cuda::detail::plan_paged(dev, Policy("knorm | semantic"), pool, none, seq,
+                                               m.q.view(), Budget::ratio(0.5)),
+                      Contains("merger"));
+}
+
+TEST_CASE("device policy (emulated kernels): a ragged batch equals compress_batch",
+          "[agreement][device_policy]") {
+  const std::int64_t lengths[] = {97, 60, 33};
+  std::vector<Model> cpu, dev_models;
+  for (std::size_t i = 0; i < 3; ++i) {
+    cpu.emplace_back(30 + i, false, lengths[i]);
+    dev_models.emplace_back(30 + i, false, lengths[i]);
+  }
+  auto sequences = [](std::vector<Model>& ms) {
+    std::vector<DenseSequence<float>> out;
+    for (auto& m : ms) out.push_back({m.k.mut_view(), m.v.mut_view(), m.q.view()});
+    return out;
+  };
+  const std::vector<Budget> per_seq = {Budget::ratio(0.3), Budget::total(kL * kH * 20),
+                                       Budget::ratio(1.0)};
+  for (const char* spec : {"snapkv(window=16) | pyramid | adakv", "knorm", "tova | adakv"}) {
+    INFO(spec);
+    const Policy p(spec);
+    auto a = cpu, b = dev_models;
+    const auto sa = sequences(a), sb = sequences(b);
+    const std::vector<Selection> want = compress_batch(p, cpu_backend{}, sa, Budget::ratio(0.5), per_seq);
+    kvtest::EmulatedDevice dev;
+    const auto span = std::span<const DenseSequence<float>>(sb);
+    const cuda::PolicyPlan plan = cuda::detail::plan_batch(dev, p, span, Budget::ratio(0.5),
+                                                           std::span<const Budget>(per_seq));
+    std::vector<std::byte> storage(plan.workspace_bytes + 256);
+    void* ws = storage.data() + (256 - reinterpret_cast<std::uintptr_t>(storage.data()) % 256) % 256;
+    dev.ws_begin = static_cast<const std::byte*>(ws);
+    dev.ws_bytes = plan.workspace_bytes;
+    std::vector<std::vector<std::int64_t>> off(3, std::vector<std::int64_t>(static_cast<std::size_t>(plan.rows + 1)));
+    std::vector<std::vector<std::int32_t>> idx(3, std::vector<std::int32_t>(static_cast<std::size_t>(plan.kept_capacity)));
+    std::vector<cuda::CsrSelection> outs;
+    for (std::size_t i = 0; i < 3; ++i)
+      outs.push_back({kL, kH, off[i].data(), idx[i].data(), plan.kept_capacity});
+    cuda::detail::compress_batch(dev, ws, plan.workspace_bytes, p, span, Budget::ratio(0.5),
+                                 std::span<const Budget>(per_seq), std::span<cuda::CsrSelection>(outs));
+    for (std::size_t i = 0; i < 3; ++i) {
+      INFO("sequence " << i);
+      require_same_rows(want[i], cuda::from_csr(kL, kH, off[i], idx[i]));
+      REQUIRE(b[i].k.buf == a[i].k.buf);
+      REQUIRE(b[i].v.buf == a[i].v.buf);
+    }
+    // A bad sequence anywhere: nothing is written.
+    auto c = dev_models;
+    auto sc = sequences(c);
+    sc[2].queries = {};
+    kvtest::EmulatedDevice dev2;
+    dev2.ws_begin = dev.ws_begin;
+    dev2.ws_bytes = dev.ws_bytes;
+    if (p.query_window() != 0) {  // (knorm reads no queries)
+      REQUIRE_THROWS_WITH(
+          cuda::detail::compress_batch(dev2, ws, plan.workspace_bytes, p,
+                                       std::span<const DenseSequence<float>>(sc), Budget::ratio(0.5),
+                                       std::span<const Budget>(per_seq),
+                                       std::span<cuda::CsrSelection>(outs)),
+          Contains("sequence 2"));
+      REQUIRE(dev2.calls.empty());
+      REQUIRE(c[0].k.buf == dev_models[0].k.buf);
+    }
   }
 }
 
@@ -295,6 +429,52 @@ TEST_CASE("device policy on the GPU: every device scorer x allocator chain keeps
           require_same_rows(want, cuda::from_csr(kL, kH, offsets, indices));
           REQUIRE(e.warning == want.warning());
         }
+  }
+#endif
+}
+
+TEST_CASE("device policy on the GPU: a paged request is selected and compacted as "
+          "compress_paged does", "[gpu][agreement][device_policy]") {
+  if (!kvtest::gpu_present()) return;
+#if defined(KVPOLICY_WITH_CUDA)
+  constexpr std::int64_t kP = 8, kBlocks = 14, kN = 45;
+  Model m(4, false);
+  kvtest::Rng rng(21);
+  std::vector<float> kpool(static_cast<std::size_t>(kL * kBlocks * kP * kH * kD)), vpool(kpool.size());
+  for (auto& e : kpool) e = static_cast<float>(2.0 * rng.uniform());
+  for (auto& e : vpool) e = static_cast<float>(2.0 * rng.uniform());
+  const std::vector<std::int32_t> table = {9, 2, 13, 5, 0, 11, 7};
+  const PagedSequence seq{table, kN};
+  auto dq = kvtest::upload(m.q.buf);
+  KVView<const float> q = m.q.view();
+  q.data = static_cast<const float*>(dq.data());
+  auto dtable = kvtest::upload(table);
+  for (const char* spec : {"snapkv(window=16) | pyramid | adakv", "knorm | adakv(alpha=0)", "tova",
+                           "h2o | depthkv(weights=1:2:3)"}) {
+    INFO(spec);
+    const Policy p(spec);
+    std::vector<float> ka = kpool, va = vpool;
+    const PagedCompressResult want = compress_paged(
+        p, cpu_backend{}, PagedKVView<float>::nhd(ka.data(), kBlocks, kL, kH, kP, kD),
+        PagedKVView<float>::nhd(va.data(), kBlocks, kL, kH, kP, kD), seq, m.q.view(),
+        Budget::ratio(0.3));
+    auto dk = kvtest::upload(kpool), dv = kvtest::upload(vpool);
+    const auto keys = PagedKVView<float>::nhd(static_cast<float*>(dk.data()), kBlocks, kL, kH, kP, kD);
+    const auto values = PagedKVView<float>::nhd(static_cast<float*>(dv.data()), kBlocks, kL, kH, kP, kD);
+    const cuda::PolicyPlan plan = cuda::plan_paged(p, keys, values, seq, q, Budget::ratio(0.3));
+    cuda::DeviceBuffer ws(plan.workspace_bytes), off(static_cast<std::size_t>(plan.rows + 1) * 8),
+        idx(static_cast<std::size_t>(plan.kept_capacity + 1) * 4);
+    cuda::CsrSelection csr{kL, kH, static_cast<std::int64_t*>(off.data()),
+                           static_cast<std::int32_t*>(idx.data()), plan.kept_capacity};
+    const cuda_backend be{nullptr, ws.data(), plan.workspace_bytes};
+    cuda::compress_paged(be, p, keys, values, seq, static_cast<const std::int32_t*>(dtable.data()),
+                         q, Budget::ratio(0.3), csr);
+    cuda::synchronize();
+    const auto offsets = kvtest::download<std::int64_t>(off, static_cast<std::size_t>(plan.rows + 1));
+    const auto indices = kvtest::download<std::int32_t>(idx, static_cast<std::size_t>(offsets.back()));
+    require_same_rows(want.selection, cuda::from_csr(kL, kH, offsets, indices));
+    REQUIRE(kvtest::download<float>(dk, ka.size()) == ka);
+    REQUIRE(kvtest::download<float>(dv, va.size()) == va);
   }
 #endif
 }

@@ -89,6 +89,41 @@ struct EmulatedDevice {
         std::span<const std::int32_t>(sel.indices, static_cast<std::size_t>(sel.offsets[n])));
     kvpolicy::cpu::compact(kvpolicy::cpu_backend{}, kv, s);
   }
+  template <class T, class U>
+  void paged_gather(const kvpolicy::PagedKVView<T>& src, const std::int32_t* table,
+                    std::int64_t length, const kvpolicy::KVView<U>& dst) const {
+    calls.push_back("paged_gather");
+    const kvpolicy::PagedSequence seq{
+        std::span<const std::int32_t>(table, static_cast<std::size_t>(
+                                                 (length + src.page_size - 1) / src.page_size)),
+        length};
+    kvpolicy::paged_gather(kvpolicy::cpu_backend{}, src, seq, dst);
+  }
+  template <kvpolicy::Element T>
+  std::size_t paged_compact_bytes(const kvpolicy::PagedKVView<T>&,
+                                  const kvpolicy::cuda::PagedTables& t) const {
+    return static_cast<std::size_t>(t.max_tokens) * 16 + 256;
+  }
+  // One request (the runner compacts one at a time): its table offsets come from the device
+  // region the runner uploaded them to.
+  template <kvpolicy::Element T>
+  void paged_compact(const kvpolicy::PagedKVView<T>& keys, const kvpolicy::PagedKVView<T>& values,
+                     const kvpolicy::cuda::PagedTables& t, const kvpolicy::cuda::CsrSelection& sel,
+                     kvpolicy::cuda::Scratch ws) const {
+    check_scratch(ws, paged_compact_bytes(keys, t), "paged_compact");
+    calls.push_back("paged_compact");
+    REQUIRE(t.requests == 1);
+    const kvpolicy::PagedSequence seq{
+        std::span<const std::int32_t>(t.ids + t.offsets[0],
+                                      static_cast<std::size_t>(t.offsets[1] - t.offsets[0])),
+        t.max_tokens};
+    const auto n = static_cast<std::size_t>(sel.rows());
+    const kvpolicy::Selection s = kvpolicy::cuda::from_csr(
+        sel.layers, sel.heads, std::span<const std::int64_t>(sel.offsets, n + 1),
+        std::span<const std::int32_t>(sel.indices, static_cast<std::size_t>(sel.offsets[n])));
+    kvpolicy::paged_compact(kvpolicy::cpu_backend{}, keys, values, seq, s);
+    poison(ws);
+  }
 
  private:
   // A kernel's scratch: inside the workspace's scratch part (after the scores and budgets, which

@@ -14,7 +14,7 @@
 // there is one).
 //
 // What runs where:
-//   - scorers with a kernel: snapkv, h2o, tova, knorm, keydiff, streaming. A scorer has a device
+//   - scorers with a kernel: h2o, snapkv, streaming, tova, knorm, keydiff. A scorer has a device
 //     path when cuda::score(const cuda_backend&, const S&, const Inputs<T>&, MutableScoreView)
 //     and cuda::score_workspace_bytes(S, Inputs<T>) exist (detail::device_scorer); others
 //     (expected, kvzip, plug-ins) are refused by name.
@@ -23,14 +23,17 @@
 //     the budgets on the device; ams is refused (its segment quotas have a kernel, the chain step
 //     that feeds it window attention and credit state does not yet).
 //   - mergers and quantizers are Session stages: select/compress ignore them, as on the CPU path.
+//   - paged caches (plan_paged / compress_paged: one request, gathered into a dense copy in the
+//     workspace, then compacted inside its blocks) and ragged batches (plan_batch /
+//     compress_batch: one event per sequence, in order).
 //   - not on this path yet: tensor parallelism (EventInfo::shard), allocator state
-//     (EventInfo::alloc_state), paged caches and batches (see cuda/paged.hpp for paged
-//     compaction of a selection).
+//     (EventInfo::alloc_state), a Session on the device.
 //
 // Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
 // from the shapes, then uploaded before the event's first kernel; it waits for the work already
-// on be.stream, not for this event's). Every kernel after it is asynchronous: the CSR selection
-// (and the compacted cache) are ready when the stream is. Inputs must stay valid until then.
+// on be.stream, not for this event's; a batch has one per sequence). Every kernel after it is
+// asynchronous: the CSR selection (and the compacted cache) are ready when the stream is. Inputs
+// must stay valid until then.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -42,8 +45,11 @@
 
 #include "kvpolicy/cuda/baselines.hpp"
 #include "kvpolicy/cuda/compact.hpp"
+#include "kvpolicy/cuda/paged.hpp"
 #include "kvpolicy/cuda/select.hpp"
 #include "kvpolicy/cuda/window_attention.hpp"
+#include "kvpolicy/batch.hpp"
+#include "kvpolicy/paged.hpp"
 #include "kvpolicy/policy.hpp"
 
 namespace kvpolicy::cuda {
@@ -82,6 +88,18 @@ template <class A>
 constexpr bool host_allocator() {
   constexpr AllocLevel lv = kvpolicy::detail::alloc_level<A>();
   return std::is_same_v<A, Uniform> || lv == AllocLevel::layers;
+}
+
+// The registry's scorers (registry.hpp) that have a device path for T, by name.
+template <Element T>
+std::string device_scorer_names() {
+  std::string out;
+  auto add = [&](auto s) {
+    if constexpr (device_scorer<decltype(s), T>)
+      out += (out.empty() ? "" : ", ") + std::string(decltype(s)::name);
+  };
+  std::apply([&](auto... s) { (add(s), ...); }, scorer_types{});
+  return out;
 }
 
 inline constexpr std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
@@ -123,6 +141,20 @@ struct cuda_device {
   void compact(const KVView<T>& kv, const CsrSelection& sel) const {
     cuda::compact(be, kv, sel);
   }
+  template <class T, class U>
+  void paged_gather(const PagedKVView<T>& src, const std::int32_t* table, std::int64_t length,
+                    const KVView<U>& dst) const {
+    cuda::paged_gather(be, src, table, length, dst);
+  }
+  template <Element T>
+  std::size_t paged_compact_bytes(const PagedKVView<T>& pool, const PagedTables& tables) const {
+    return cuda::paged_compact_workspace_bytes(pool, tables);
+  }
+  template <Element T>
+  void paged_compact(const PagedKVView<T>& keys, const PagedKVView<T>& values,
+                     const PagedTables& tables, const CsrSelection& sel, Scratch ws) const {
+    cuda::paged_compact(with(ws), keys, values, tables, sel);
+  }
 };
 
 // "" when every stage of `policy` has a device path for element type T, else why not (naming
@@ -137,8 +169,8 @@ std::string unsupported_stage(const Policy& policy) {
           if constexpr (!device_scorer<S, T>)
             why = kvpolicy::detail::cat(
                 "cuda policy '", policy.spec(), "': scorer '", policy.scorer_name(),
-                "' has no CUDA kernel (device scorers: snapkv, h2o, tova, knorm, keydiff, "
-                "streaming); run it with the cpu_backend");
+                "' has no CUDA kernel (device scorers: ", device_scorer_names<T>(),
+                "); run it with the cpu_backend");
         },
         policy.scorer());
   for (const auto& a : policy.allocators())
@@ -228,13 +260,16 @@ struct Layout {
   std::size_t budgets_at = 0, scratch_at = 0, scratch_bytes = 0, total = 0;
 };
 
+// `tail`: int64 values uploaded with the budgets (a paged event's table offsets); `extra_scratch`:
+// scratch a kernel after the selection needs (paged compaction).
 template <class Dev, Element T>
-Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const EventSetup& s) {
+Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const EventSetup& s,
+              std::size_t tail = 0, std::size_t extra_scratch = 0) {
   Layout lay;
   const std::int64_t rows = s.layers * s.heads;
   lay.row_stride = score_row_stride(s.tokens);
   const ScoreView scores{nullptr, s.layers, s.heads, s.tokens, lay.row_stride};
-  std::size_t scratch = dev.select_bytes(rows, s.tokens);
+  std::size_t scratch = std::max(dev.select_bytes(rows, s.tokens), extra_scratch);
   if (s.event.evicts) {
     std::visit(
         [&](const auto& sc) {
@@ -247,7 +282,8 @@ Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const E
         scratch = std::max(scratch, dev.adakv_bytes(*ada, scores, s.event.protect));
   }
   lay.budgets_at = align256(static_cast<std::size_t>(rows * lay.row_stride) * sizeof(float));
-  lay.scratch_at = lay.budgets_at + align256(static_cast<std::size_t>(rows) * sizeof(std::int64_t));
+  lay.scratch_at =
+      lay.budgets_at + align256((static_cast<std::size_t>(rows) + tail) * sizeof(std::int64_t));
   lay.scratch_bytes = align256(scratch);
   lay.total = lay.scratch_at + lay.scratch_bytes;
   return lay;
@@ -264,12 +300,20 @@ PolicyPlan plan(const Dev& dev, const Policy& policy, const Inputs<T>& in, const
   return p;
 }
 
+// Where select() left what a later kernel of the same event reads.
+struct Regions {
+  std::int64_t* tail = nullptr;  // the uploaded `tail` values (device)
+  Scratch scratch;               // the shared scratch region
+};
+
 template <class Dev, Element T>
 PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
                    const Policy& policy, const Inputs<T>& in, const Budget& budget,
-                   CsrSelection& out, const EventInfo& ev) {
+                   CsrSelection& out, const EventInfo& ev,
+                   std::span<const std::int64_t> tail = {}, std::size_t extra_scratch = 0,
+                   Regions* regions = nullptr) {
   EventSetup s = setup_event(policy, in, budget, ev);
-  const Layout lay = layout(dev, policy, in, s);
+  const Layout lay = layout(dev, policy, in, s, tail.size(), extra_scratch);
   const std::int64_t rows = s.layers * s.heads;
   KVP_REQUIRE(workspace_bytes >= lay.total, "cuda policy '", policy.spec(), "': workspace of ",
               workspace_bytes, " bytes is below the ", lay.total,
@@ -302,7 +346,10 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
   const MutableScoreView wscores{rows ? score_data : nullptr, s.layers, s.heads, s.tokens,
                                  lay.row_stride};
   const ScoreView scores{wscores.data, s.layers, s.heads, s.tokens, lay.row_stride};
-  if (rows > 0) dev.upload(dev_budgets, s.budgets.data(), s.budgets.size() * sizeof(std::int64_t));
+  s.budgets.insert(s.budgets.end(), tail.begin(), tail.end());  // one upload for both
+  if (!s.budgets.empty())
+    dev.upload(dev_budgets, s.budgets.data(), s.budgets.size() * sizeof(std::int64_t));
+  if (regions) *regions = {dev_budgets + rows, scratch};
   if (!s.event.evicts) {
     // Every row keeps every token; the selection kernel still reads a score per token, so give
     // it positions (streaming's scores: no inputs read, no workspace).
@@ -340,6 +387,178 @@ PolicyEvent compress(const Dev& dev, void* workspace, std::size_t workspace_byte
   return e;
 }
 
+// ---- batches of ragged dense sequences --------------------------------------------------------
+// One event per sequence, in order, on one stream and one workspace (stream order makes the reuse
+// safe); every sequence is checked before the first kernel, as kvpolicy::compress_batch does.
+
+template <Element T>
+Inputs<T> sequence_inputs(const DenseSequence<T>& s) {
+  Inputs<T> in;
+  in.keys = s.keys;
+  in.values = s.values;
+  in.queries = s.queries;
+  return in;
+}
+
+template <class Dev, Element T>
+PolicyPlan plan_batch(const Dev& dev, const Policy& policy, std::span<const DenseSequence<T>> seqs,
+                      const Budget& budget, std::span<const Budget> budgets) {
+  kvpolicy::detail::require_selection_only(policy, "cuda::compress_batch");
+  kvpolicy::detail::check_budgets(budgets, budget, seqs.size());
+  PolicyPlan out;
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    kvpolicy::detail::for_sequence(i, [&] {
+      const auto &k = seqs[i].keys, &k0 = seqs[0].keys;
+      KVP_REQUIRE(k.layers == k0.layers && k.heads == k0.heads && k.dim == k0.dim, "keys are [",
+                  k.layers, ",", k.heads, ",", k.tokens, ",", k.dim, "] but sequence 0 has [",
+                  k0.layers, ",", k0.heads, ",", k0.tokens, ",", k0.dim,
+                  "] (layers, heads and dim must match across the batch)");
+      const PolicyPlan p = plan(dev, policy, sequence_inputs(seqs[i]),
+                                kvpolicy::detail::budget_of(budgets, budget, i), EventInfo{});
+      out.workspace_bytes = std::max(out.workspace_bytes, p.workspace_bytes);
+      out.rows = p.rows;
+      out.kept_capacity = std::max(out.kept_capacity, p.kept_capacity);
+    });
+  return out;
+}
+
+template <class Dev, Element T>
+std::vector<PolicyEvent> compress_batch(const Dev& dev, void* workspace,
+                                        std::size_t workspace_bytes, const Policy& policy,
+                                        std::span<const DenseSequence<T>> seqs,
+                                        const Budget& budget, std::span<const Budget> budgets,
+                                        std::span<CsrSelection> outs) {
+  KVP_REQUIRE(outs.size() == seqs.size(), "cuda::compress_batch: ", outs.size(),
+              " output selections for ", seqs.size(), " sequences");
+  const PolicyPlan all = plan_batch(dev, policy, seqs, budget, budgets);
+  KVP_REQUIRE(workspace_bytes >= all.workspace_bytes, "cuda policy '", policy.spec(),
+              "': workspace of ", workspace_bytes, " bytes is below the ", all.workspace_bytes,
+              " the batch needs (cuda::plan_batch(...).workspace_bytes)");
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    kvpolicy::detail::for_sequence(i, [&] {
+      const PolicyPlan p = plan(dev, policy, sequence_inputs(seqs[i]),
+                                kvpolicy::detail::budget_of(budgets, budget, i), EventInfo{});
+      KVP_REQUIRE(outs[i].layers == seqs[i].keys.layers && outs[i].heads == seqs[i].keys.heads &&
+                      outs[i].capacity >= p.kept_capacity,
+                  "output selection is [", outs[i].layers, ",", outs[i].heads, "] holding ",
+                  outs[i].capacity, " indices; the sequence needs [", seqs[i].keys.layers, ",",
+                  seqs[i].keys.heads, "] and ", p.kept_capacity);
+    });
+  std::vector<PolicyEvent> events;
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    events.push_back(kvpolicy::detail::for_sequence(i, [&] {
+      const DenseSequence<T>& s = seqs[i];
+      return compress(dev, workspace, workspace_bytes, policy, s.keys, s.values,
+                      sequence_inputs(s), kvpolicy::detail::budget_of(budgets, budget, i),
+                      outs[i], EventInfo{});
+    }));
+  return events;
+}
+
+// ---- paged caches ---------------------------------------------------------------------------
+// One request of a paged pool: its tokens are gathered into a dense copy at the front of the
+// workspace (keys, and values when the policy reads them), the chain selects on the copy, and the
+// pool is compacted in place inside the request's own blocks (cuda::paged_compact). The same kept
+// sets as kvpolicy::compress_paged on the CPU, which selects on a dense copy too.
+
+struct PagedLayout {
+  std::size_t values_at = 0, event_at = 0, total = 0;
+  std::size_t event_bytes = 0;
+  std::int64_t kept_capacity = 0;
+};
+
+template <Element T>
+Inputs<std::remove_const_t<T>> dense_inputs(const PagedKVView<T>& keys, bool with_values,
+                                            const PagedSequence& seq,
+                                            const KVView<const std::remove_const_t<T>>& queries,
+                                            const std::byte* base, const PagedLayout& lay) {
+  using E = std::remove_const_t<T>;
+  const std::int64_t L = keys.layers, H = keys.heads, N = seq.length, D = keys.dim;
+  const auto at = [&](std::size_t offset) {  // (integer arithmetic: base may be a placeholder)
+    return reinterpret_cast<const E*>(reinterpret_cast<std::uintptr_t>(base) + offset);
+  };
+  Inputs<E> in;
+  in.keys = KVView<const E>::hnd(at(0), L, H, N, D);
+  if (with_values) in.values = KVView<const E>::hnd(at(lay.values_at), L, H, N, D);
+  in.queries = queries;
+  return in;
+}
+
+template <class Dev, Element T>
+PagedLayout paged_layout(const Dev& dev, const Policy& policy, const PagedKVView<T>& keys,
+                         const PagedKVView<T>& values, const PagedSequence& seq,
+                         const KVView<const std::remove_const_t<T>>& queries,
+                         const Budget& budget) {
+  using E = std::remove_const_t<T>;
+  kvpolicy::detail::require_selection_only(policy, "cuda::compress_paged");
+  kvpolicy::detail::check_paged(keys, values, seq, {});
+  const bool with_values = has(policy.needs(), Needs::values);
+  KVP_REQUIRE(!with_values || values.data, "values: policy '", policy.spec(),
+              "' reads values but none were given");
+  const std::int64_t L = keys.layers, H = keys.heads, N = seq.length, D = keys.dim;
+  PagedLayout lay;
+  const std::size_t dense = align256(static_cast<std::size_t>(L * H * N * D) * sizeof(E));
+  lay.values_at = dense;
+  lay.event_at = dense * (with_values ? 2 : 1);
+  // The dense copy's shapes, for the event's checks and sizes (the views are not read: their
+  // pointers are placeholders past a null workspace base).
+  const auto* placeholder = reinterpret_cast<const std::byte*>(alignof(std::max_align_t));
+  const Inputs<E> shapes = dense_inputs(keys, with_values, seq, queries, placeholder, lay);
+  const EventSetup s = setup_event(policy, shapes, budget, EventInfo{});
+  const PagedTables tables{nullptr, nullptr, 1, N};
+  lay.event_bytes = layout(dev, policy, shapes, s, 2, dev.paged_compact_bytes(keys, tables)).total;
+  lay.total = lay.event_at + lay.event_bytes;
+  lay.kept_capacity = kept_total(s.budgets, N);
+  return lay;
+}
+
+template <class Dev, Element T>
+PolicyPlan plan_paged(const Dev& dev, const Policy& policy, const PagedKVView<T>& keys,
+                      const PagedKVView<T>& values, const PagedSequence& seq,
+                      const KVView<const std::remove_const_t<T>>& queries, const Budget& budget) {
+  const PagedLayout lay = paged_layout(dev, policy, keys, values, seq, queries, budget);
+  return {lay.total, keys.layers * keys.heads, lay.kept_capacity};
+}
+
+template <class Dev, Element T>
+PolicyEvent compress_paged(const Dev& dev, void* workspace, std::size_t workspace_bytes,
+                           const Policy& policy, const PagedKVView<T>& keys,
+                           const PagedKVView<T>& values, const PagedSequence& seq,
+                           const std::int32_t* device_table,
+                           const KVView<const std::remove_const_t<T>>& queries,
+                           const Budget& budget, CsrSelection& out) {
+  static_assert(!std::is_const_v<T>, "cuda::compress_paged writes the pool: pass mutable views");
+  const PagedLayout lay = paged_layout(dev, policy, keys, values, seq, queries, budget);
+  KVP_REQUIRE(workspace_bytes >= lay.total, "cuda policy '", policy.spec(), "': workspace of ",
+              workspace_bytes, " bytes is below the ", lay.total,
+              " the paged event needs (cuda::plan_paged(...).workspace_bytes)");
+  KVP_REQUIRE(lay.total == 0 || workspace, "cuda policy '", policy.spec(),
+              "': null workspace pointer");
+  KVP_REQUIRE(seq.length == 0 || device_table, "cuda::compress_paged: null device block table");
+  auto* base = static_cast<std::byte*>(workspace);
+  const bool with_values = has(policy.needs(), Needs::values);
+  const Inputs<T> in = dense_inputs(keys, with_values, seq, queries, base, lay);
+  using E = std::remove_const_t<T>;
+  const std::int64_t L = keys.layers, H = keys.heads, N = seq.length, D = keys.dim;
+  if (N > 0) {
+    dev.paged_gather(PagedKVView<const E>(keys), device_table, N,
+                     KVView<E>::hnd(reinterpret_cast<E*>(base), L, H, N, D));
+    if (with_values)
+      dev.paged_gather(PagedKVView<const E>(values), device_table, N,
+                       KVView<E>::hnd(reinterpret_cast<E*>(base + lay.values_at), L, H, N, D));
+  }
+  // The table's CSR offsets for the compaction ({0, pages}) travel with the budgets.
+  const std::int64_t offsets[2] = {0, seq.pages(keys.page_size)};
+  Regions regions;
+  PolicyEvent e = select(dev, base + lay.event_at, lay.event_bytes, policy, in, budget, out,
+                         EventInfo{}, offsets, dev.paged_compact_bytes(keys, PagedTables{
+                                                                                nullptr, nullptr, 1, N}),
+                         &regions);
+  const PagedTables tables{device_table, regions.tail, 1, N};
+  dev.paged_compact(keys, values, tables, out, regions.scratch);
+  return e;
+}
+
 }  // namespace detail
 
 // Sizes the caller allocates for one event: reads shapes only (device pointers in `in` are not
@@ -370,6 +589,55 @@ PolicyEvent compress(const cuda_backend& be, const Policy& policy, const KVView<
   const detail::cuda_device dev{be};
   return detail::compress(dev, be.workspace, be.workspace_bytes, policy, keys, values, in, budget,
                           out, ev);
+}
+
+// One request of a paged device pool (vLLM-style blocks): sizes for compress_paged. `seq` is the
+// request's host block table and length (checked like kvpolicy::compress_paged: table entries
+// in range, no block twice). The workspace holds a dense copy of the request's keys (and values
+// when the policy reads them) besides the event's own: L * H * length * dim elements each.
+template <Element T>
+PolicyPlan plan_paged(const Policy& policy, const PagedKVView<T>& keys,
+                      const PagedKVView<T>& values, const PagedSequence& seq,
+                      const KVView<const std::remove_const_t<T>>& queries, const Budget& budget) {
+  return detail::plan_paged(detail::cuda_device{}, policy, keys, values, seq, queries, budget);
+}
+
+// kvpolicy::compress_paged on the device: gather, select, compact the pool in place inside the
+// request's blocks (values too when values.data is set). `device_table` is seq.block_table in
+// device memory. `out` receives the selection (device CSR, plan_paged's rows and
+// kept_capacity); cuda::paged_bookkeeping turns its downloaded offsets into the new length,
+// per-head lengths and freed blocks. Shared (prefix-cache) blocks are not checked here: see
+// cuda/paged.hpp. One host synchronisation, as select().
+template <Element T>
+PolicyEvent compress_paged(const cuda_backend& be, const Policy& policy,
+                           const PagedKVView<T>& keys, const PagedKVView<T>& values,
+                           const PagedSequence& seq, const std::int32_t* device_table,
+                           const KVView<const std::remove_const_t<T>>& queries,
+                           const Budget& budget, CsrSelection& out) {
+  return detail::compress_paged(detail::cuda_device{be}, be.workspace, be.workspace_bytes, policy,
+                                keys, values, seq, device_table, queries, budget, out);
+}
+
+// A batch of dense sequences (ragged lengths; layers, heads and dim equal): sizes for
+// compress_batch. workspace_bytes covers the largest sequence; kept_capacity bounds every
+// sequence's CSR output (each sequence has its own).
+template <Element T>
+PolicyPlan plan_batch(const Policy& policy, std::span<const DenseSequence<T>> seqs,
+                      const Budget& budget, std::span<const Budget> budgets = {}) {
+  return detail::plan_batch(detail::cuda_device{}, policy, seqs, budget, budgets);
+}
+
+// kvpolicy::compress_batch on the device: every sequence is checked first (nothing is written
+// unless all pass), then each is selected and compacted in place, in order, on be.stream with
+// the one workspace; outs[i] receives sequence i's selection. budgets: empty (`budget` for all)
+// or one per sequence. One host synchronisation per sequence (its budgets' upload).
+template <Element T>
+std::vector<PolicyEvent> compress_batch(const cuda_backend& be, const Policy& policy,
+                                        std::span<const DenseSequence<T>> seqs,
+                                        const Budget& budget, std::span<CsrSelection> outs,
+                                        std::span<const Budget> budgets = {}) {
+  return detail::compress_batch(detail::cuda_device{be}, be.workspace, be.workspace_bytes, policy,
+                                seqs, budget, budgets, outs);
 }
 
 }  // namespace kvpolicy::cuda
