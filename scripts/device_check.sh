@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: configure and build kvpolicy with CUDA (Release), run the
-# CPU-vs-CUDA agreement tests ([gpu]), then the CUDA benchmarks if the build has any. Prints what
-# it ran and a summary; exits non-zero if a step failed or the GPU tests were skipped.
+# CPU-vs-CUDA agreement tests ([gpu]), the spec-string device pipeline against the CPU path, then
+# the CUDA benchmarks if the build has any (bench_cuda_policy: a policy end to end, GPU vs CPU).
+# Prints what it ran and a summary; exits non-zero if a step failed or the GPU tests were skipped.
 #
 #   scripts/device_check.sh                 # on the GPU machine, from the repository root
 #   scripts/device_check.sh --fetch-debs    # on a networked dev machine, beforehand (see below)
@@ -114,6 +115,16 @@ if grep -q "skipped:" "$BUILD_DIR/device_check_gpu_tests.log"; then
   [[ $rc -eq 0 ]] && rc=2
 fi
 record "kvpolicy_tests [gpu]" "$rc"
+
+# The spec-string device pipeline end to end (cuda::select/compress/compress_paged and the C ABI's
+# kvp_cuda_compress against the CPU path): already in [gpu] above; run again on its own so that
+# the summary has its own line.
+log "running the spec-string device pipeline ([gpu][device_policy], [gpu][c_api])"
+"$BUILD_DIR/tests/kvpolicy_tests" "[gpu][device_policy],[gpu][c_api]" 2>&1 \
+  | tee "$BUILD_DIR/device_check_device_policy.log" | tail -3
+rc=${PIPESTATUS[0]}
+grep -q "skipped:" "$BUILD_DIR/device_check_device_policy.log" && [[ $rc -eq 0 ]] && rc=2
+record "device policy from spec strings (cuda::compress, kvp_cuda_compress)" "$rc"
 
 log "running the CPU halves and host checks ([agreement]~[gpu])"
 "$BUILD_DIR/tests/kvpolicy_tests" "[agreement]~[gpu]" 2>&1 | tee "$BUILD_DIR/device_check_cpu_tests.log" | tail -3
