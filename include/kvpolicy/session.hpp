@@ -90,6 +90,55 @@ class QueryRing {
   std::int64_t heads_ = 0, window_ = 0, dim_ = 0;
   std::int64_t count_ = 0, next_ = 0;  // valid entries, next slot to write
 };
+// A layer's compression schedule: the first (prefill) event fixes one budget per head; after it,
+// once `interval` tokens have been appended since the last event, the heads longer than their
+// budgets are compressed back to them. Decode targets, when configured, replace the prefill
+// budgets at the first decode-time check (computed from the prompt length).
+struct CompressionSchedule {
+  std::vector<std::int64_t> budgets;  // per head; empty until the first event
+  std::int64_t since = 0;             // tokens appended since the last event
+  std::int64_t prompt_length = 0;     // the longest head at the first event
+  bool targets_set = false;           // the decode targets replaced the prefill budgets
+
+  bool started() const { return !budgets.empty(); }
+  void appended(std::int64_t n) { since += n; }
+  // Forgets the budgets (a fork to another policy or budget starts over); `since` stays.
+  void restart() {
+    budgets.clear();
+    targets_set = false;
+  }
+  // An event with per-head budgets `requested` kept kept[h] of lengths[h] tokens (longest head:
+  // `len`). At the first event the targets are what each head kept where it evicted
+  // (allocators may have moved budget between heads); a head that kept everything keeps its
+  // requested budget, so a budget above the prompt length lets the cache grow to it.
+  void compressed(std::vector<std::int64_t> requested, std::span<const std::int64_t> kept,
+                  std::span<const std::int64_t> lengths, std::int64_t len) {
+    if (!started()) {
+      prompt_length = len;
+      for (std::size_t h = 0; h < requested.size(); ++h)
+        if (kept[h] < lengths[h]) requested[h] = kept[h];
+    }
+    budgets = std::move(requested);
+    since = 0;
+  }
+  // After the first event: true when `interval` tokens have arrived since the last one and a
+  // head is longer than its budget. targets(prompt_length) -> optional per-head decode targets,
+  // asked once.
+  template <class Targets>
+  bool due(std::int64_t interval, std::span<const std::int64_t> lengths, Targets&& targets) {
+    if (interval == 0 || since < interval) return false;
+    if (!targets_set) {
+      if (auto t = targets(prompt_length)) {
+        budgets = std::move(*t);
+        targets_set = true;
+      }
+    }
+    for (std::size_t h = 0; h < lengths.size(); ++h)
+      if (lengths[h] > budgets[h]) return true;
+    return false;
+  }
+};
+
 }  // namespace detail
 
 struct SessionConfig {
@@ -226,8 +275,7 @@ class Session {
         quant::require_quantizable(values(l).prefix(L.next_position), "session.fork: v");
       }
     for (auto& L : out.layers_) {
-      L.budgets.clear();
-      L.decode_targets_set = false;
+      L.schedule.restart();
       // A stateful allocator (AMS) starts from zero credit, as on a first event.
       if (out.policy_.alloc_state())
         L.credit.assign(static_cast<std::size_t>(cfg_.kv_heads * L.capacity), 0.f);
@@ -302,7 +350,7 @@ class Session {
       L.lengths[static_cast<std::size_t>(h)] = len + n;
     }
     L.next_position += n;
-    L.since += n;
+    L.schedule.appended(n);
     L.queries.push(q);
   }
 
@@ -404,23 +452,18 @@ class Session {
   // (see SessionConfig). Returns true if it compacted.
   bool compress_if_due(std::int64_t layer) {
     Layer& L = at(layer);
-    if (L.budgets.empty()) {
+    if (!L.schedule.started()) {
       if (L.lengths[0] == 0) return false;  // no prefill yet: nothing to fix the budgets from
       compress(layer);
       return true;
     }
-    const std::int64_t interval = decode_interval();
-    if (interval == 0 || L.since < interval) return false;
-    if (cfg_.decode_target && !L.decode_targets_set) {
-      L.budgets = head_budgets(*cfg_.decode_target, L.prompt_length);
-      L.decode_targets_set = true;
-    }
-    for (std::int64_t h = 0; h < cfg_.kv_heads; ++h)
-      if (L.lengths[static_cast<std::size_t>(h)] > L.budgets[static_cast<std::size_t>(h)]) {
-        compress(layer);
-        return true;
-      }
-    return false;
+    const bool due = L.schedule.due(decode_interval(), L.lengths, [&](std::int64_t prompt) {
+      return cfg_.decode_target
+                 ? std::optional(head_budgets(*cfg_.decode_target, prompt))
+                 : std::nullopt;
+    });
+    if (due) compress(layer);
+    return due;
   }
 
   // Tokens between decode-time compressions (0: none); see SessionConfig::decode_interval.
@@ -441,7 +484,7 @@ class Session {
     if (len == 0) return Selection(1, H);  // nothing cached (and a ratio of nothing at first)
     // Fixed only once the selection succeeded: a failed first compression (bad inputs, a
     // quantizer-only policy given a budget that evicts) must leave the layer as it was, still due.
-    std::vector<std::int64_t> budgets = L.budgets;
+    std::vector<std::int64_t> budgets = L.schedule.budgets;
     if (budgets.empty()) budgets = head_budgets(cfg_.budget, len);
     Inputs<T> in;
     in.keys = keys(layer).prefix(len);
@@ -461,9 +504,9 @@ class Session {
     in.state_stride = L.capacity;
     Selection sel(1, H);
     // After the first event the per-head budgets are fixed: no layer/head re-allocation.
-    const Policy& pol = L.budgets.empty() ? policy_ : fixed_policy_;
+    const Policy& pol = L.schedule.started() ? fixed_policy_ : policy_;
     const bool merging = policy_.merger().has_value();
-    const bool uneven = !L.budgets.empty() &&
+    const bool uneven = L.schedule.started() &&
                         *std::min_element(budgets.begin(), budgets.end()) !=
                             *std::max_element(budgets.begin(), budgets.end());
     // Mutable views of the layer's K and V (rows [0, len) of every head).
@@ -550,20 +593,9 @@ class Session {
       }
     }
     if (!sel.warning().empty()) warning_ = detail::cat("session: layer ", layer, ": ", sel.warning());
-    if (L.budgets.empty()) {
-      // First (prefill) compression. Where it evicted, the decode targets are what each head
-      // kept (allocators may have moved budget between heads); a head that kept everything
-      // keeps its requested budget as target, so a budget above the prompt length lets the
-      // cache grow to it before evicting.
-      L.prompt_length = len;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const auto c = sel.count(0, h);
-        auto& b = budgets[static_cast<std::size_t>(h)];
-        if (c < L.lengths[static_cast<std::size_t>(h)]) b = c;
-      }
-    }
-    L.budgets = std::move(budgets);
-    L.since = 0;
+    std::vector<std::int64_t> kept(static_cast<std::size_t>(H));
+    for (std::int64_t h = 0; h < H; ++h) kept[static_cast<std::size_t>(h)] = sel.count(0, h);
+    L.schedule.compressed(std::move(budgets), kept, L.lengths, len);
     cpu::compact(cfg_.backend, k_mut, v_mut, sel);
     L.for_each_token_array([&](auto& a) {
       if (!a.empty()) cpu::compact_state(cfg_.backend, a.data(), 0, L.capacity, sel);
@@ -662,7 +694,9 @@ class Session {
             static_cast<std::size_t>(L.lengths.at(static_cast<std::size_t>(head)))};
   }
   // Per-head token budgets fixed at the first compression (empty before it).
-  std::span<const std::int64_t> budgets(std::int64_t layer) const { return at(layer).budgets; }
+  std::span<const std::int64_t> budgets(std::int64_t layer) const {
+    return at(layer).schedule.budgets;
+  }
   // Bytes of K and V held by valid tokens (what a tight allocator would need); for a quantized
   // layer, its packed caches' bytes (tiles, scales, norms and the fp32 residual window).
   std::size_t kv_bytes() const {
@@ -678,14 +712,12 @@ class Session {
  private:
   struct Layer {
     std::int64_t capacity = 0, next_position = 0;
-    std::int64_t since = 0;                // tokens appended since the last compression
-    std::int64_t prompt_length = 0;        // longest head at the first compression
-    bool decode_targets_set = false;
+    detail::CompressionSchedule schedule;  // when this layer compresses, and to which budgets
     std::vector<T> k, v;           // [Hkv][capacity][d]
     detail::QueryRing<T> queries;  // the newest recorded queries (the policy's window)
     bool reconstructed = false;
     std::vector<quant::PackedCache> packed;  // per KV head once quantized (k, v then empty)
-    std::vector<std::int64_t> lengths, budgets;
+    std::vector<std::int64_t> lengths;
     // The per-token arrays, [Hkv][capacity] each, in step with K/V: for_each_token_array() is
     // the one list that append() zeroes for new tokens, reserve() regrows and compress()
     // compacts, so a new one is a member here and a line there. `credit` is the one that may

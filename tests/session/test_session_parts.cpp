@@ -1,7 +1,9 @@
-// The parts a Session is made of: the query ring (hand-computed contents after wrapping) and the
-// stage traits it reads instead of testing stage types (accumulation, delimiters).
+// The parts a Session is made of: the query ring (hand-computed contents after wrapping), the
+// compression schedule (hand-computed budgets and due checks) and the stage traits it reads
+// instead of testing stage types (accumulation, delimiters).
 #include <catch2/catch.hpp>
 
+#include <optional>
 #include <vector>
 
 #include <kvpolicy/kvpolicy.hpp>
@@ -65,6 +67,54 @@ TEST_CASE("stage traits: accumulation and delimiters without type tests", "[sess
   cfg.head_dim = 4;
   CHECK_THROWS_WITH(Session<float>(Policy("h2o(reduce=max)"), cfg),
                     Contains("session: h2o with reduce=max cannot be accumulated step by step"));
+}
+
+TEST_CASE("compression schedule: prefill budgets, decode-time checks, targets once",
+          "[session][schedule]") {
+  detail::CompressionSchedule s;
+  CHECK_FALSE(s.started());
+  // Prefill of 10 / 10 / 10 tokens with budgets 4, 4, 20: heads 0 and 1 evicted (head 1 kept 3,
+  // fewer than asked: an allocator moved budget), head 2 kept all and keeps its budget of 20.
+  const std::vector<std::int64_t> lengths = {10, 10, 10};
+  s.appended(10);
+  s.compressed({4, 4, 20}, std::vector<std::int64_t>{4, 3, 10}, lengths, 10);
+  REQUIRE(s.started());
+  CHECK(s.budgets == std::vector<std::int64_t>{4, 3, 20});
+  CHECK(s.prompt_length == 10);
+  CHECK(s.since == 0);
+  int asked = 0;
+  auto no_targets = [&](std::int64_t) {
+    ++asked;
+    return std::optional<std::vector<std::int64_t>>();
+  };
+  // Interval 2: one token is not enough; after two, head 0 (4 + 2 > 4) is due.
+  s.appended(1);
+  CHECK_FALSE(s.due(2, std::vector<std::int64_t>{5, 4, 11}, no_targets));
+  s.appended(1);
+  CHECK(s.due(2, std::vector<std::int64_t>{6, 5, 12}, no_targets));
+  CHECK(asked == 1);  // asked again at every check while there are none
+  // No head above its budget: not due, whatever the interval.
+  CHECK_FALSE(s.due(2, std::vector<std::int64_t>{4, 3, 20}, no_targets));
+  CHECK_FALSE(s.due(0, std::vector<std::int64_t>{40, 40, 40}, no_targets));  // 0: never
+  // Later events keep the budgets they were given; since restarts.
+  s.compressed({4, 3, 20}, std::vector<std::int64_t>{4, 3, 12}, std::vector<std::int64_t>{6, 5, 12}, 12);
+  CHECK(s.budgets == std::vector<std::int64_t>{4, 3, 20});
+  CHECK(s.since == 0);
+  CHECK(s.prompt_length == 10);
+  // Decode targets replace the budgets once, from the prompt length.
+  int targets_asked = 0;
+  auto targets = [&](std::int64_t prompt) {
+    ++targets_asked;
+    return std::optional(std::vector<std::int64_t>{prompt / 2, prompt / 2, prompt / 2});
+  };
+  s.appended(2);
+  CHECK(s.due(2, std::vector<std::int64_t>{6, 5, 14}, targets));  // 6 > 5
+  CHECK(s.budgets == std::vector<std::int64_t>{5, 5, 5});
+  CHECK(s.due(2, std::vector<std::int64_t>{6, 5, 5}, targets));
+  CHECK(targets_asked == 1);
+  s.restart();
+  CHECK_FALSE(s.started());
+  CHECK_FALSE(s.targets_set);
 }
 
 }  // namespace kvt_session_parts
