@@ -1009,6 +1009,27 @@ void op_misc(Ctx& c, World& w) {
       if (check_status(kvp_cuda_select_workspace_size(4, 4, &bytes), "kvp_cuda_select_workspace_size") !=
           KVP_ERROR_UNSUPPORTED)
         finding("kvp_cuda_select_workspace_size without CUDA did not say unsupported");
+      // The whole-policy device entry points check every argument first (fuzzed here), then
+      // refuse; they never succeed and never write.
+      const Anchor& a = c.a;
+      kvp_policy* p = pick_policy(c, w);
+      const kvp_compress_params* prm = make_params(c);
+      kvp_tensor k = make_tensor(c, a.L, a.H, a.T, a.d, a.dtype);
+      kvp_tensor v = make_tensor(c, a.L, a.H, a.T, a.d, a.dtype);
+      kvp_tensor q = make_tensor(c, a.L, a.H * a.g, a.nq, a.d, a.dtype);
+      Watch watch;
+      watch_tensor(watch, k);
+      watch_tensor(watch, v);
+      watch_tensor(watch, q);
+      kvp_cuda_plan plan{};
+      if (check_status(kvp_cuda_compress_plan(p, prm, &k, &v, &q, &plan),
+                       "kvp_cuda_compress_plan") == KVP_OK)
+        finding("kvp_cuda_compress_plan succeeded without CUDA");
+      kvp_csr csr{};
+      if (check_status(kvp_cuda_compress(p, prm, &k, &v, &q, nullptr, 0, nullptr, &csr),
+                       "kvp_cuda_compress") == KVP_OK)
+        finding("kvp_cuda_compress succeeded without CUDA");
+      watch.require_unchanged("kvp_cuda_compress");
     }
   }
 }
