@@ -140,8 +140,8 @@ int main(void) {
     CHECK(kvp_policy_create("expected | adakv", &expected));
     status = kvp_cuda_compress_plan(expected, &params, &k, &v, &q, &plan);
     printf("expected on the GPU -> %s: %s\n", kvp_status_string(status), kvp_last_error());
-    if (status != KVP_ERROR_UNSUPPORTED) return 1;
     kvp_policy_destroy(expected);
+    if (status != KVP_ERROR_UNSUPPORTED) return 1;
     status = kvp_cuda_compress_plan(snapkv, &params, &k, &v, &q, &plan);
     if (status == KVP_OK)
       printf("snapkv | adakv on the GPU: %zu workspace bytes, %lld CSR indices\n",

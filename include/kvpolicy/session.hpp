@@ -126,7 +126,7 @@ struct CompressionSchedule {
   // asked once.
   template <class Targets>
   bool due(std::int64_t interval, std::span<const std::int64_t> lengths, Targets&& targets) {
-    if (interval == 0 || since < interval) return false;
+    if (!started() || interval == 0 || since < interval) return false;
     if (!targets_set) {
       if (auto t = targets(prompt_length)) {
         budgets = std::move(*t);

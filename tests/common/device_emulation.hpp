@@ -25,6 +25,11 @@ struct EmulatedDevice {
   const std::byte* ws_begin = nullptr;
   std::size_t ws_bytes = 0;
   mutable std::vector<std::string> calls;  // "upload", "score:snapkv", "adakv:device", "select:device", ...
+  // The end of the workspace regions of the current event that outlive a kernel (the scores, the
+  // uploaded budgets, a paged event's dense copy), as the kernels have seen them: scratch must
+  // start after it. An event starts with its upload (the budgets lie past its scores), so the
+  // upload resets it: a batch's next event lays its regions out afresh.
+  mutable const std::byte* reserved_end = nullptr;
 
   // Score workspace as the kernels ask for it: none for knorm and streaming, else a sizeable
   // region (so a runner that forgot to reserve it fails the scratch check).
@@ -38,6 +43,8 @@ struct EmulatedDevice {
   template <class S, kvpolicy::Element T>
   void score(const S& s, const kvpolicy::Inputs<T>& in, const kvpolicy::cuda::MutableScoreView& out,
              kvpolicy::cuda::Scratch ws) const {
+    reserve(out.data,
+            static_cast<std::size_t>(out.layers * out.heads * out.row_stride) * sizeof(float));
     check_scratch(ws, score_bytes(s, in), "score");
     calls.push_back("score:" + std::string(S::name));
     kvpolicy::Stats stats;
@@ -73,6 +80,8 @@ struct EmulatedDevice {
   }
   void upload(void* dst, const void* src, std::size_t bytes) const {
     calls.push_back("upload");
+    reserved_end = nullptr;
+    reserve(dst, bytes);
     std::memcpy(dst, src, bytes);
   }
   void select(const kvpolicy::cuda::ScoreView& s, const std::int64_t* device, kvpolicy::Protect p,
@@ -93,6 +102,8 @@ struct EmulatedDevice {
   void paged_gather(const kvpolicy::PagedKVView<T>& src, const std::int32_t* table,
                     std::int64_t length, const kvpolicy::KVView<U>& dst) const {
     calls.push_back("paged_gather");
+    reserve(dst.data, static_cast<std::size_t>(dst.layers * dst.heads * dst.tokens * dst.dim) *
+                          sizeof(U));
     const kvpolicy::PagedSequence seq{
         std::span<const std::int32_t>(table, static_cast<std::size_t>(
                                                  (length + src.page_size - 1) / src.page_size)),
@@ -134,8 +145,13 @@ struct EmulatedDevice {
     if (need == 0) return;
     const auto* p = static_cast<const std::byte*>(ws.data);
     REQUIRE(p >= ws_begin);
+    REQUIRE(p >= reserved_end);
     REQUIRE(p + ws.bytes <= ws_begin + ws_bytes);
     REQUIRE(reinterpret_cast<std::uintptr_t>(p) % 256 == 0);
+  }
+  void reserve(const void* data, std::size_t bytes) const {
+    const auto* end = static_cast<const std::byte*>(data) + bytes;
+    if (bytes && (!reserved_end || end > reserved_end)) reserved_end = end;
   }
   static void poison(kvpolicy::cuda::Scratch ws) {
     if (ws.bytes) std::memset(ws.data, 0xff, ws.bytes);

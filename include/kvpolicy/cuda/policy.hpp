@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -46,6 +47,7 @@
 #include "kvpolicy/cuda/baselines.hpp"
 #include "kvpolicy/cuda/compact.hpp"
 #include "kvpolicy/cuda/paged.hpp"
+#include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/select.hpp"
 #include "kvpolicy/cuda/window_attention.hpp"
 #include "kvpolicy/batch.hpp"
@@ -83,11 +85,15 @@ concept device_scorer = requires(const cuda_backend& be, const S& s, const Input
   { cuda::score_workspace_bytes(s, in) } -> std::convertible_to<std::size_t>;
 };
 
-// Allocators the device path runs on the host: they read only the event's shape.
+// Allocators the device path runs on the host: they read only the event's shape (no statistics,
+// no per-token state, no tokens of their own to protect).
 template <class A>
 constexpr bool host_allocator() {
   constexpr AllocLevel lv = kvpolicy::detail::alloc_level<A>();
-  return std::is_same_v<A, Uniform> || lv == AllocLevel::layers;
+  constexpr bool shape_only = !requires(const A a) { a.needs(); } &&
+                              !requires(const A a) { a.protects(); } &&
+                              !kvpolicy::detail::alloc_stateful<A>();
+  return shape_only && (std::is_same_v<A, Uniform> || lv == AllocLevel::layers);
 }
 
 // The registry's scorers (registry.hpp) that have a device path for T, by name.
@@ -203,7 +209,7 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
                                                     : policy.scorer_name();
   KVP_REQUIRE(!ev.shard, "cuda policy '", policy.spec(), "': tensor parallelism (EventInfo::",
               "shard) runs on the CPU path only for now");
-  KVP_REQUIRE(!ev.alloc_state, "cuda policy '", policy.spec(),
+  KVP_REQUIRE(!ev.alloc_state || !policy.alloc_state(), "cuda policy '", policy.spec(),
               "': allocator state (EventInfo::alloc_state) runs on the CPU path only for now");
   const std::string unsupported = unsupported_stage<T>(policy);
   KVP_REQUIRE(unsupported.empty(), unsupported);
@@ -311,7 +317,7 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
                    const Policy& policy, const Inputs<T>& in, const Budget& budget,
                    CsrSelection& out, const EventInfo& ev,
                    std::span<const std::int64_t> tail = {}, std::size_t extra_scratch = 0,
-                   Regions* regions = nullptr) {
+                   Regions* regions = nullptr, const std::function<void()>& after_upload = {}) {
   EventSetup s = setup_event(policy, in, budget, ev);
   const Layout lay = layout(dev, policy, in, s, tail.size(), extra_scratch);
   const std::int64_t rows = s.layers * s.heads;
@@ -329,6 +335,10 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
   KVP_REQUIRE(out.capacity >= need, "cuda policy '", policy.spec(), "': output selection holds ",
               out.capacity, " indices but the event keeps ", need,
               " (cuda::plan(...).kept_capacity)");
+  KVP_REQUIRE(rows == 0 || out.offsets, "cuda policy '", policy.spec(),
+              "': output selection has null offsets");
+  KVP_REQUIRE(need == 0 || out.indices, "cuda policy '", policy.spec(),
+              "': output selection has null indices");
   // The host budgets' checks (the CPU path's: cpu::select's, and adakv's for its input), then
   // one upload before any kernel of the event, so that every later stage reads device budgets.
   const std::int64_t Tk = s.tokens, P = s.event.protect.total(Tk);
@@ -350,6 +360,7 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
   if (!s.budgets.empty())
     dev.upload(dev_budgets, s.budgets.data(), s.budgets.size() * sizeof(std::int64_t));
   if (regions) *regions = {dev_budgets + rows, scratch};
+  if (after_upload) after_upload();  // the event's own first kernels (a paged event's gathers)
   if (!s.event.evicts) {
     // Every row keeps every token; the selection kernel still reads a score per token, so give
     // it positions (streaming's scores: no inputs read, no workspace).
@@ -443,6 +454,8 @@ std::vector<PolicyEvent> compress_batch(const Dev& dev, void* workspace,
                   "output selection is [", outs[i].layers, ",", outs[i].heads, "] holding ",
                   outs[i].capacity, " indices; the sequence needs [", seqs[i].keys.layers, ",",
                   seqs[i].keys.heads, "] and ", p.kept_capacity);
+      KVP_REQUIRE(p.rows == 0 || outs[i].offsets, "output selection has null offsets");
+      KVP_REQUIRE(p.kept_capacity == 0 || outs[i].indices, "output selection has null indices");
     });
   std::vector<PolicyEvent> events;
   for (std::size_t i = 0; i < seqs.size(); ++i)
@@ -540,20 +553,22 @@ PolicyEvent compress_paged(const Dev& dev, void* workspace, std::size_t workspac
   const Inputs<T> in = dense_inputs(keys, with_values, seq, queries, base, lay);
   using E = std::remove_const_t<T>;
   const std::int64_t L = keys.layers, H = keys.heads, N = seq.length, D = keys.dim;
-  if (N > 0) {
+  // The gathers run after the budgets' upload (the event's one synchronisation), so that it
+  // waits for earlier work on the stream only, not for this event's copies.
+  const auto gather = [&] {
+    if (N == 0) return;
     dev.paged_gather(PagedKVView<const E>(keys), device_table, N,
                      KVView<E>::hnd(reinterpret_cast<E*>(base), L, H, N, D));
     if (with_values)
       dev.paged_gather(PagedKVView<const E>(values), device_table, N,
                        KVView<E>::hnd(reinterpret_cast<E*>(base + lay.values_at), L, H, N, D));
-  }
+  };
   // The table's CSR offsets for the compaction ({0, pages}) travel with the budgets.
   const std::int64_t offsets[2] = {0, seq.pages(keys.page_size)};
+  const std::size_t compact_bytes = dev.paged_compact_bytes(keys, PagedTables{nullptr, nullptr, 1, N});
   Regions regions;
   PolicyEvent e = select(dev, base + lay.event_at, lay.event_bytes, policy, in, budget, out,
-                         EventInfo{}, offsets, dev.paged_compact_bytes(keys, PagedTables{
-                                                                                nullptr, nullptr, 1, N}),
-                         &regions);
+                         EventInfo{}, offsets, compact_bytes, &regions, gather);
   const PagedTables tables{device_table, regions.tail, 1, N};
   dev.paged_compact(keys, values, tables, out, regions.scratch);
   return e;
@@ -562,8 +577,9 @@ PolicyEvent compress_paged(const Dev& dev, void* workspace, std::size_t workspac
 }  // namespace detail
 
 // Sizes the caller allocates for one event: reads shapes only (device pointers in `in` are not
-// dereferenced; they may be null here). Same checks as select(): a stage without a device path,
-// a bad shape or budget raise kvpolicy::Error naming it.
+// dereferenced here, but must be the non-null device pointers select() will read). Same checks
+// as select(): a stage without a device path, a bad shape or budget raise kvpolicy::Error naming
+// it.
 template <Element T>
 PolicyPlan plan(const Policy& policy, const Inputs<T>& in, const Budget& budget,
                 const EventInfo& ev = {}) {
@@ -639,5 +655,46 @@ std::vector<PolicyEvent> compress_batch(const cuda_backend& be, const Policy& po
   return detail::compress_batch(detail::cuda_device{be}, be.workspace, be.workspace_bytes, policy,
                                 seqs, budget, budgets, outs);
 }
+
+#if defined(KVPOLICY_WITH_CUDA)
+// What run_owned() reports: the selection, downloaded, and the event.
+struct OwnedEvent {
+  Selection selection;
+  PolicyEvent event;
+};
+
+// select() / compress() for callers without an allocator of their own (bindings, scripts, the
+// Python device entry): allocates the workspace and the CSR output (cudaMalloc), runs the event
+// on `stream` (nullptr: the legacy default stream), downloads the selection and waits for the
+// stream. `compact`: compress `keys` / `values` in place (the memory `in` reads) after
+// selecting. Not for an engine's hot path: cudaMalloc / cudaFree synchronise the device.
+template <Element T>
+OwnedEvent run_owned(void* stream, const Policy& policy, const KVView<T>& keys,
+                     const KVView<T>& values, const Inputs<T>& in, const Budget& budget,
+                     bool compact, const EventInfo& ev = {}) {
+  const PolicyPlan p = plan(policy, in, budget, ev);
+  DeviceBuffer ws(p.workspace_bytes);
+  DeviceBuffer offsets(static_cast<std::size_t>(p.rows + 1) * sizeof(std::int64_t));
+  DeviceBuffer indices(static_cast<std::size_t>(std::max<std::int64_t>(p.kept_capacity, 1)) *
+                       sizeof(std::int32_t));
+  CsrSelection csr{in.layers(), in.kv_heads(), offsets.as<std::int64_t>(),
+                   indices.as<std::int32_t>(), p.kept_capacity};
+  const cuda_backend be{stream, ws.data(), p.workspace_bytes};
+  OwnedEvent r;
+  r.event = compact ? compress(be, policy, keys, values, in, budget, csr, ev)
+                    : select(be, policy, in, budget, csr, ev);
+  HostCsr host;
+  host.layers = csr.layers;
+  host.heads = csr.heads;
+  host.offsets.resize(static_cast<std::size_t>(p.rows + 1));
+  copy_to_host(host.offsets.data(), csr.offsets, host.offsets.size() * sizeof(std::int64_t),
+               stream);
+  host.indices.resize(static_cast<std::size_t>(host.offsets.back()));
+  copy_to_host(host.indices.data(), csr.indices, host.indices.size() * sizeof(std::int32_t),
+               stream);
+  r.selection = from_csr(host);
+  return r;
+}
+#endif
 
 }  // namespace kvpolicy::cuda
