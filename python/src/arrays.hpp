@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "kvpolicy/core/budget.hpp"
 #include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/policy.hpp"
 #include "kvpolicy/core/selection.hpp"
 
 namespace kvpy {
@@ -126,8 +128,20 @@ inline py::tuple selection_arrays(const kvpolicy::Selection& sel) {
   return py::make_tuple(kept, counts);
 }
 
+// The budget the Python wrapper resolved: kind 'r' ratio, 't' tokens per head, 'T' in total.
+inline kvpolicy::Budget make_budget(char kind, double value) {
+  switch (kind) {
+    case 'r': return kvpolicy::Budget::ratio(value);
+    case 't': return kvpolicy::Budget::tokens(static_cast<std::int64_t>(value));
+    case 'T': return kvpolicy::Budget::total(static_cast<std::int64_t>(value));
+    default: value_error("budget kind must be 'r', 't' or 'T'");
+  }
+}
+
 // Registration functions of the translation units.
 void bind_policy(py::module_& m);
+void bind_policy_device(py::class_<kvpolicy::Policy>& cls);  // device.cpp: Policy._run_device
+bool cuda_built();  // device.cpp: whether this module runs CUDA tensors where they are
 void bind_session(py::module_& m);
 void bind_quant(py::module_& m);
 void bind_engine(py::module_& m);

@@ -17,15 +17,6 @@ namespace {
 using kvpolicy::Budget;
 using kvpolicy::Policy;
 
-Budget make_budget(char kind, double value) {
-  switch (kind) {
-    case 'r': return Budget::ratio(value);
-    case 't': return Budget::tokens(static_cast<std::int64_t>(value));
-    case 'T': return Budget::total(static_cast<std::int64_t>(value));
-    default: value_error("budget kind must be 'r', 't' or 'T'");
-  }
-}
-
 struct Call {
   py::array keys;
   std::optional<py::array> values, queries, accumulated, observed, reconstruction;
@@ -197,7 +188,10 @@ std::string needs_names(kvpolicy::Needs n) {
 }  // namespace
 
 void bind_policy(py::module_& m) {
-  py::class_<Policy>(m, "Policy")
+  m.attr("cuda_built") = cuda_built();
+  py::class_<Policy> cls(m, "Policy");
+  bind_policy_device(cls);
+  cls
       .def(py::init<std::string_view>(), py::arg("spec"))
       .def_property_readonly("spec", &Policy::spec)
       .def_property_readonly("scorer", [](const Policy& p) { return std::string(p.scorer_name()); })
