@@ -60,7 +60,7 @@ void BM_cuda_decode_dense_fp16_vs_packed_int2(benchmark::State& state) {
   da.lengths = dlen.as<const std::int64_t>();
   const cuda::PackedHeadsView pview =
       im.view(pk.data(), pv.data(), pto.data(), prk.data(), prv.data(), prn.data(), pro.data());
-  const cuda::TensorView qview = cuda::tensor_view(queries);
+  const TensorRef qview = erase(queries);
   const cuda::PackedDecodeArgs pa;
   std::size_t wd = cuda::attention_workspace_bytes(keys, values, queries, da), wp = 0;
   cuda::throw_if_error(cuda::packed_decode_workspace_bytes(pview, qview, pa, wp), "workspace");
@@ -75,8 +75,8 @@ void BM_cuda_decode_dense_fp16_vs_packed_int2(benchmark::State& state) {
   double dense_s = 0, packed_s = 0, copy_s = 0;
   for (auto _ : state) {
     cudaEventRecord(ev.e[0], stream);
-    const cuda::Status s1 = cuda::decode_attention(be, cuda::tensor_view(keys),
-                                                   cuda::tensor_view(values), qview, da, out);
+    const cuda::Status s1 = cuda::decode_attention(be, erase(keys),
+                                                   erase(values), qview, da, out);
     cudaEventRecord(ev.e[1], stream);
     const cuda::Status s2 = cuda::packed_decode_attention(be, pview, qview, pa, out);
     cudaEventRecord(ev.e[2], stream);

@@ -55,7 +55,7 @@ struct Keys {
 };
 
 template <class E>
-Keys<E> keys_of(const TensorView& v) {
+Keys<E> keys_of(const TensorRef& v) {
   return {static_cast<const E*>(v.data), v.heads, v.tokens, v.dim, v.stride_layer,
           v.stride_head, v.stride_token, v.stride_dim};
 }
@@ -67,7 +67,7 @@ __device__ __forceinline__ V warp_sum(V v) {
   return v;
 }
 
-Status check_keys(const TensorView& k) {
+Status check_keys(const TensorRef& k) {
   if (!k.data) return detail::invalid("null keys pointer");
   if (k.layers <= 0 || k.heads <= 0 || k.tokens <= 0 || k.dim <= 0)
     return detail::invalid("empty keys");
@@ -107,7 +107,7 @@ unsigned warp_grid(std::int64_t items) {
 struct KdLayout {
   std::size_t norms = 0, partial = 0, anchor = 0, anorm = 0, total = 0;
 };
-KdLayout kd_layout(const TensorView& k) {
+KdLayout kd_layout(const TensorRef& k) {
   const auto R = static_cast<std::size_t>(k.layers * k.heads);
   const auto T = static_cast<std::size_t>(k.tokens), d = static_cast<std::size_t>(k.dim);
   const auto C = static_cast<std::size_t>(bm::anchor_chunks(k.tokens));
@@ -312,20 +312,20 @@ __global__ void __launch_bounds__(kAdaThreads)
 
 // ---- entry points ---------------------------------------------------------------------------
 
-Status knorm_score(const cuda_backend& be, const TensorView& keys, const MutableScoreView& out) {
+Status knorm_score(const cuda_backend& be, const TensorRef& keys, const MutableScoreView& out) {
   if (Status e = check_keys(keys); !e.ok()) return e;
   if (Status e = check_out(out, keys.layers, keys.heads, keys.tokens); !e.ok()) return e;
   const std::int64_t items = keys.layers * keys.heads * keys.tokens;
   const cudaStream_t st = detail::stream_of(be.stream);
   const unsigned g = warp_grid(items);
-  switch (keys.type) {
-    case ElemType::f32:
+  switch (keys.dtype) {
+    case DType::f32:
       knorm_kernel<<<g, kBlock, 0, st>>>(keys_of<float>(keys), items, out.data, out.row_stride);
       break;
-    case ElemType::f16:
+    case DType::f16:
       knorm_kernel<<<g, kBlock, 0, st>>>(keys_of<__half>(keys), items, out.data, out.row_stride);
       break;
-    case ElemType::bf16:
+    case DType::bf16:
       knorm_kernel<<<g, kBlock, 0, st>>>(keys_of<__nv_bfloat16>(keys), items, out.data,
                                          out.row_stride);
       break;
@@ -335,7 +335,7 @@ Status knorm_score(const cuda_backend& be, const TensorView& keys, const Mutable
   return {};
 }
 
-Status keydiff_workspace_bytes(const TensorView& keys, std::size_t& bytes) {
+Status keydiff_workspace_bytes(const TensorRef& keys, std::size_t& bytes) {
   bytes = 0;
   if (Status e = check_keys(keys); !e.ok()) return e;
   if (keys.dim > 1024) return detail::invalid("head_dim above 1024 is not supported");
@@ -345,7 +345,7 @@ Status keydiff_workspace_bytes(const TensorView& keys, std::size_t& bytes) {
 
 namespace {
 template <class E>
-Status keydiff_typed(cudaStream_t st, const TensorView& kv, unsigned char* ws,
+Status keydiff_typed(cudaStream_t st, const TensorRef& kv, unsigned char* ws,
                      const KdLayout& lay, const MutableScoreView& out) {
   const Keys<E> k = keys_of<E>(kv);
   const std::int64_t R = kv.layers * kv.heads, items = R * kv.tokens;
@@ -370,7 +370,7 @@ Status keydiff_typed(cudaStream_t st, const TensorView& kv, unsigned char* ws,
 }
 }  // namespace
 
-Status keydiff_score(const cuda_backend& be, const TensorView& keys, const MutableScoreView& out) {
+Status keydiff_score(const cuda_backend& be, const TensorRef& keys, const MutableScoreView& out) {
   std::size_t need = 0;
   if (Status e = keydiff_workspace_bytes(keys, need); !e.ok()) return e;
   if (Status e = check_out(out, keys.layers, keys.heads, keys.tokens); !e.ok()) return e;
@@ -384,15 +384,15 @@ Status keydiff_score(const cuda_backend& be, const TensorView& keys, const Mutab
   auto* ws = static_cast<unsigned char*>(be.workspace);
   const KdLayout lay = kd_layout(keys);
   const cudaStream_t st = detail::stream_of(be.stream);
-  switch (keys.type) {
-    case ElemType::f32: return keydiff_typed<float>(st, keys, ws, lay, out);
-    case ElemType::f16: return keydiff_typed<__half>(st, keys, ws, lay, out);
-    case ElemType::bf16: return keydiff_typed<__nv_bfloat16>(st, keys, ws, lay, out);
+  switch (keys.dtype) {
+    case DType::f32: return keydiff_typed<float>(st, keys, ws, lay, out);
+    case DType::f16: return keydiff_typed<__half>(st, keys, ws, lay, out);
+    case DType::bf16: return keydiff_typed<__nv_bfloat16>(st, keys, ws, lay, out);
   }
   return detail::invalid("unknown element type");
 }
 
-Status tova_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status tova_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                             std::size_t& bytes) {
   bytes = 0;
   if (Status e = check_keys(keys); !e.ok()) return e;
@@ -404,7 +404,7 @@ Status tova_workspace_bytes(const TensorView& keys, const TensorView& queries,
   return {};
 }
 
-Status tova_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+Status tova_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
                   const MutableScoreView& out) {
   std::size_t need = 0;
   if (Status e = tova_workspace_bytes(keys, queries, need); !e.ok()) return e;
@@ -420,7 +420,7 @@ Status tova_score(const cuda_backend& be, const TensorView& keys, const TensorVi
   cuda_backend inner = be;
   inner.workspace = static_cast<unsigned char*>(be.workspace) + ab;
   inner.workspace_bytes = be.workspace_bytes - ab;
-  if (Status e = window_attention(inner, keys, queries, scoring::Reduce::mean, 1,
+  if (Status e = window_attention(inner, keys, queries, GqaReduce::mean, 1,
                                   MutableScoreView{attn, L, H, T, T});
       !e.ok())
     return e;

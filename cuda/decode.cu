@@ -24,7 +24,7 @@ __device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162
 
 // Element (head h, token t, channel c) of a one-layer view.
 template <class T>
-__device__ __forceinline__ float at(const TensorView& v, std::int64_t h, std::int64_t t,
+__device__ __forceinline__ float at(const TensorRef& v, std::int64_t h, std::int64_t t,
                                     std::int64_t c) {
   return ld(static_cast<const T*>(v.data) + h * v.stride_head + t * v.stride_token +
             c * v.stride_dim);
@@ -32,7 +32,7 @@ __device__ __forceinline__ float at(const TensorView& v, std::int64_t h, std::in
 
 template <int D, class T, class Q>
 __global__ void __launch_bounds__(D)
-decode_partial(TensorView keys, TensorView values, TensorView queries, DecodeArgs a, float scale,
+decode_partial(TensorRef keys, TensorRef values, TensorRef queries, DecodeArgs a, float scale,
                std::int64_t g, std::int64_t split, std::int64_t splits, dm::Workspace w) {
   constexpr int TK = dm::key_tile(D);
   extern __shared__ float smem[];
@@ -102,15 +102,15 @@ __global__ void decode_stats(dm::Workspace w, const std::int64_t* lengths, std::
   }
 }
 
-std::int64_t split_of(const TensorView& keys, const DecodeArgs& a) {
+std::int64_t split_of(const TensorRef& keys, const DecodeArgs& a) {
   return a.split > 0 ? a.split : decode_default_split(keys.heads, keys.tokens, keys.dim);
 }
 
 bool stats_wanted(const DecodeArgs& a) { return a.accumulate || a.observed; }
 
 template <int D, class T, class Q>
-Status launch(const cuda_backend& be, const TensorView& keys, const TensorView& values,
-              const TensorView& queries, const DecodeArgs& a, float* out) {
+Status launch(const cuda_backend& be, const TensorRef& keys, const TensorRef& values,
+              const TensorRef& queries, const DecodeArgs& a, float* out) {
   cudaStream_t st = detail::stream_of(be.stream);
   const std::int64_t g = queries.heads / keys.heads, nq = queries.tokens;
   const std::int64_t rows = queries.heads * nq, split = split_of(keys, a);
@@ -145,28 +145,28 @@ Status launch(const cuda_backend& be, const TensorView& keys, const TensorView& 
 }
 
 template <int D, class T>
-Status by_query(const cuda_backend& be, const TensorView& k, const TensorView& v,
-                const TensorView& q, const DecodeArgs& a, float* out) {
-  switch (q.type) {
-    case ElemType::f32: return launch<D, T, float>(be, k, v, q, a, out);
-    case ElemType::f16: return launch<D, T, __half>(be, k, v, q, a, out);
-    case ElemType::bf16: return launch<D, T, __nv_bfloat16>(be, k, v, q, a, out);
+Status by_query(const cuda_backend& be, const TensorRef& k, const TensorRef& v,
+                const TensorRef& q, const DecodeArgs& a, float* out) {
+  switch (q.dtype) {
+    case DType::f32: return launch<D, T, float>(be, k, v, q, a, out);
+    case DType::f16: return launch<D, T, __half>(be, k, v, q, a, out);
+    case DType::bf16: return launch<D, T, __nv_bfloat16>(be, k, v, q, a, out);
   }
   return detail::invalid("decode attention: unknown query element type");
 }
 
 template <int D>
-Status by_cache(const cuda_backend& be, const TensorView& k, const TensorView& v,
-                const TensorView& q, const DecodeArgs& a, float* out) {
-  switch (k.type) {
-    case ElemType::f32: return by_query<D, float>(be, k, v, q, a, out);
-    case ElemType::f16: return by_query<D, __half>(be, k, v, q, a, out);
-    case ElemType::bf16: return by_query<D, __nv_bfloat16>(be, k, v, q, a, out);
+Status by_cache(const cuda_backend& be, const TensorRef& k, const TensorRef& v,
+                const TensorRef& q, const DecodeArgs& a, float* out) {
+  switch (k.dtype) {
+    case DType::f32: return by_query<D, float>(be, k, v, q, a, out);
+    case DType::f16: return by_query<D, __half>(be, k, v, q, a, out);
+    case DType::bf16: return by_query<D, __nv_bfloat16>(be, k, v, q, a, out);
   }
   return detail::invalid("decode attention: unknown cache element type");
 }
 
-Status check_shapes(const TensorView& keys, const TensorView& queries, const DecodeArgs& a) {
+Status check_shapes(const TensorRef& keys, const TensorRef& queries, const DecodeArgs& a) {
   if (keys.heads <= 0 || queries.heads % keys.heads != 0 || queries.tokens < 1 ||
       queries.dim != keys.dim || keys.tokens < 0)
     return detail::invalid("decode attention: bad shapes");
@@ -189,7 +189,7 @@ std::int64_t decode_default_split(std::int64_t kv_heads, std::int64_t tokens, st
   return split < min_split ? min_split : split;
 }
 
-Status decode_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status decode_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                               const DecodeArgs& args, std::size_t& bytes) {
   if (Status s = check_shapes(keys, queries, args); !s.ok()) return s;
   const std::int64_t rows = queries.heads * queries.tokens;
@@ -200,8 +200,8 @@ Status decode_workspace_bytes(const TensorView& keys, const TensorView& queries,
   return {};
 }
 
-Status decode_attention(const cuda_backend& be, const TensorView& keys, const TensorView& values,
-                        const TensorView& queries, const DecodeArgs& args, float* out) {
+Status decode_attention(const cuda_backend& be, const TensorRef& keys, const TensorRef& values,
+                        const TensorRef& queries, const DecodeArgs& args, float* out) {
   std::size_t need = 0;
   if (Status s = decode_workspace_bytes(keys, queries, args, need); !s.ok()) return s;
   if (!keys.data || !values.data || !queries.data || !args.lengths || !out)

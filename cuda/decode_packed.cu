@@ -18,19 +18,19 @@ namespace {
 namespace dm = kvpolicy::cuda::decode_math;
 namespace q = kvpolicy::quant;
 
-__device__ __forceinline__ float query_at(const TensorView& v, std::int64_t h, std::int64_t t,
+__device__ __forceinline__ float query_at(const TensorRef& v, std::int64_t h, std::int64_t t,
                                           std::int64_t c) {
   const std::int64_t o = h * v.stride_head + t * v.stride_token + c * v.stride_dim;
-  switch (v.type) {
-    case ElemType::f16: return __half2float(static_cast<const __half*>(v.data)[o]);
-    case ElemType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(v.data)[o]);
+  switch (v.dtype) {
+    case DType::f16: return __half2float(static_cast<const __half*>(v.data)[o]);
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(v.data)[o]);
     default: return static_cast<const float*>(v.data)[o];
   }
 }
 
 template <int D, class Blk>
 __global__ void __launch_bounds__(D)
-packed_partial(PackedHeadsView c, TensorView queries, PackedDecodeArgs a, float scale,
+packed_partial(PackedHeadsView c, TensorRef queries, PackedDecodeArgs a, float scale,
                std::int64_t g, std::int64_t split, std::int64_t splits, dm::Workspace w) {
   constexpr int G = Blk::group;
   extern __shared__ float smem[];
@@ -126,7 +126,7 @@ std::int64_t split_of(const PackedHeadsView& c, const PackedDecodeArgs& a) {
 }
 
 template <int D, class Blk>
-Status launch(const cuda_backend& be, const PackedHeadsView& c, const TensorView& queries,
+Status launch(const cuda_backend& be, const PackedHeadsView& c, const TensorRef& queries,
               const PackedDecodeArgs& a, float* out) {
   cudaStream_t st = detail::stream_of(be.stream);
   const std::int64_t g = queries.heads / c.heads, nq = queries.tokens, rows = queries.heads * nq;
@@ -150,7 +150,7 @@ Status launch(const cuda_backend& be, const PackedHeadsView& c, const TensorView
 }
 
 template <int D, int Bits>
-Status by_group(const cuda_backend& be, const PackedHeadsView& c, const TensorView& q,
+Status by_group(const cuda_backend& be, const PackedHeadsView& c, const TensorRef& q,
                 const PackedDecodeArgs& a, float* out) {
   switch (c.group) {
     case 32: return launch<D, quant::Block<Bits, 32>>(be, c, q, a, out);
@@ -162,12 +162,12 @@ Status by_group(const cuda_backend& be, const PackedHeadsView& c, const TensorVi
 }
 
 template <int D>
-Status by_bits(const cuda_backend& be, const PackedHeadsView& c, const TensorView& q,
+Status by_bits(const cuda_backend& be, const PackedHeadsView& c, const TensorRef& q,
                const PackedDecodeArgs& a, float* out) {
   return c.bits == 2 ? by_group<D, 2>(be, c, q, a, out) : by_group<D, 4>(be, c, q, a, out);
 }
 
-Status check(const PackedHeadsView& c, const TensorView& queries, const PackedDecodeArgs& a) {
+Status check(const PackedHeadsView& c, const TensorRef& queries, const PackedDecodeArgs& a) {
   if (c.heads <= 0 || queries.heads % c.heads != 0 || queries.tokens < 1 || queries.dim != c.dim)
     return detail::invalid("packed decode attention: bad shapes");
   if (c.dim != 64 && c.dim != 128 && c.dim != 256)
@@ -182,7 +182,7 @@ Status check(const PackedHeadsView& c, const TensorView& queries, const PackedDe
 
 }  // namespace
 
-Status packed_decode_workspace_bytes(const PackedHeadsView& c, const TensorView& queries,
+Status packed_decode_workspace_bytes(const PackedHeadsView& c, const TensorRef& queries,
                                      const PackedDecodeArgs& a, std::size_t& bytes) {
   if (Status s = check(c, queries, a); !s.ok()) return s;
   const std::int64_t splits = dm::split_count(c.max_tokens, split_of(c, a));
@@ -193,7 +193,7 @@ Status packed_decode_workspace_bytes(const PackedHeadsView& c, const TensorView&
 }
 
 Status packed_decode_attention(const cuda_backend& be, const PackedHeadsView& c,
-                               const TensorView& queries, const PackedDecodeArgs& a, float* out) {
+                               const TensorRef& queries, const PackedDecodeArgs& a, float* out) {
   std::size_t need = 0;
   if (Status s = packed_decode_workspace_bytes(c, queries, a, need); !s.ok()) return s;
   if (!queries.data || !out || !c.tile_offset || !c.res_offset)

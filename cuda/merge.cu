@@ -103,7 +103,7 @@ gsc::Rows rows_of(const RowsView& v) {
 Status semantic_merge(const cuda_backend& be, const gsc::Params& params,
                       const SemanticMergeArgs& a) {
   const RowsView& k = a.keys;
-  const int eb = a.type == CacheType::f32 ? 4 : 2;
+  const int eb = a.type == DType::f32 ? 4 : 2;
   if (k.elem_bytes != eb || a.values.elem_bytes != eb)
     return detail::invalid("element size does not match the cache type");
   if (a.values.layers != k.layers || a.values.heads != k.heads || a.values.tokens != k.tokens ||
@@ -153,13 +153,13 @@ Status semantic_merge(const cuda_backend& be, const gsc::Params& params,
   auto* ws = static_cast<unsigned char*>(be.workspace);
   const cudaStream_t st = detail::stream_of(be.stream);
   switch (a.type) {
-    case CacheType::f32:
+    case DType::f32:
       semantic_merge_kernel<ElemF32><<<grid, merge_block, smem, st>>>(params, g, ws);
       break;
-    case CacheType::f16:
+    case DType::f16:
       semantic_merge_kernel<ElemF16><<<grid, merge_block, smem, st>>>(params, g, ws);
       break;
-    case CacheType::bf16:
+    case DType::bf16:
       semantic_merge_kernel<ElemBF16><<<grid, merge_block, smem, st>>>(params, g, ws);
       break;
   }

@@ -31,7 +31,6 @@
 namespace kvpolicy::cuda {
 namespace {
 
-using scoring::Reduce;
 using scoring::RowStat;
 
 constexpr int kRows = scoring::kPass1Rows;  // pass 1: threads = rows per block
@@ -54,7 +53,7 @@ struct Src {
 };
 
 template <class E>
-Src<E> src_of(const TensorView& v) {
+Src<E> src_of(const TensorRef& v) {
   return {static_cast<const E*>(v.data), v.stride_layer, v.stride_head, v.stride_token,
           v.stride_dim};
 }
@@ -183,7 +182,7 @@ __global__ void merge_stats_kernel(const RowStat* partial, RowStat* stats, std::
 template <class E, int D>
 __global__ void __launch_bounds__(kPass2Keys)
     column_sums_kernel(Src<E> keys, Src<E> queries, Shape s, const RowStat* stats,
-                       Reduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
+                       GqaReduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
   extern __shared__ __align__(16) float smem[];
   const std::int64_t d = D == 0 ? s.d : D;
   const std::int64_t os = own_stride(D, d), bs = bcast_stride(D, d);
@@ -230,7 +229,7 @@ __global__ void __launch_bounds__(kPass2Keys)
 // ---- SnapKV pooling -------------------------------------------------------------------------
 
 __global__ void snapkv_pool_kernel(const float* colsum, std::int64_t rows, std::int64_t T,
-                                   std::int64_t w, int kernel, scoring::PoolKind pool, float* out,
+                                   std::int64_t w, int kernel, Pool pool, float* out,
                                    std::int64_t out_stride) {
   const std::int64_t n = rows * T;
   for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
@@ -257,9 +256,9 @@ __global__ void h2o_state_kernel(const float* acc, const float* obs, std::int64_
 
 constexpr std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
 
-Status check_views(const TensorView& k, const TensorView& q, std::int64_t nq) {
+Status check_views(const TensorRef& k, const TensorRef& q, std::int64_t nq) {
   if (!k.data || !q.data) return detail::invalid("null keys or queries pointer");
-  if (k.type != q.type) return detail::invalid("keys and queries have different element types");
+  if (k.dtype != q.dtype) return detail::invalid("keys and queries have different element types");
   if (k.layers <= 0 || k.heads <= 0 || k.tokens <= 0 || k.dim <= 0)
     return detail::invalid("keys have an empty or negative extent");
   if (q.layers != k.layers || q.dim != k.dim)
@@ -278,7 +277,7 @@ Status check_views(const TensorView& k, const TensorView& q, std::int64_t nq) {
   return {};
 }
 
-Shape shape_of(const TensorView& k, const TensorView& q, std::int64_t nq) {
+Shape shape_of(const TensorRef& k, const TensorRef& q, std::int64_t nq) {
   Shape s{};
   s.L = k.layers, s.Hkv = k.heads, s.Hq = q.heads, s.g = q.heads / k.heads, s.T = k.tokens;
   s.nq = nq, s.qoff = q.tokens - nq, s.d = k.dim;
@@ -306,8 +305,8 @@ Status set_smem(K kernel, std::size_t bytes) {
 }
 
 template <class E, int D>
-Status run_typed(const cuda_backend& be, const TensorView& kv, const TensorView& qv,
-                 const Shape& s, Reduce reduce, bool h2o_normalize, float* out,
+Status run_typed(const cuda_backend& be, const TensorRef& kv, const TensorRef& qv,
+                 const Shape& s, GqaReduce reduce, bool h2o_normalize, float* out,
                  std::int64_t out_stride) {
   const cudaStream_t st = detail::stream_of(be.stream);
   auto* base = static_cast<unsigned char*>(be.workspace);
@@ -337,8 +336,8 @@ Status run_typed(const cuda_backend& be, const TensorView& kv, const TensorView&
 }
 
 template <class E>
-Status run_dim(const cuda_backend& be, const TensorView& kv, const TensorView& qv, const Shape& s,
-               Reduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
+Status run_dim(const cuda_backend& be, const TensorRef& kv, const TensorRef& qv, const Shape& s,
+               GqaReduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
   switch (s.d) {
     case 64: return run_typed<E, 64>(be, kv, qv, s, reduce, h2o_normalize, out, out_stride);
     case 128: return run_typed<E, 128>(be, kv, qv, s, reduce, h2o_normalize, out, out_stride);
@@ -346,25 +345,25 @@ Status run_dim(const cuda_backend& be, const TensorView& kv, const TensorView& q
   }
 }
 
-Status run(const cuda_backend& be, const TensorView& kv, const TensorView& qv, const Shape& s,
-           Reduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
+Status run(const cuda_backend& be, const TensorRef& kv, const TensorRef& qv, const Shape& s,
+           GqaReduce reduce, bool h2o_normalize, float* out, std::int64_t out_stride) {
   if (be.workspace_bytes < stats_bytes(s))
     return {StatusCode::insufficient_workspace, 0, "below window_attention_workspace_bytes"};
   if (!be.workspace) return detail::invalid("null workspace");
   if (reinterpret_cast<std::uintptr_t>(be.workspace) % 256 != 0)
     return detail::invalid("workspace is not 256-byte aligned");
-  switch (kv.type) {
-    case ElemType::f32:
+  switch (kv.dtype) {
+    case DType::f32:
       return run_dim<float>(be, kv, qv, s, reduce, h2o_normalize, out, out_stride);
-    case ElemType::f16:
+    case DType::f16:
       return run_dim<__half>(be, kv, qv, s, reduce, h2o_normalize, out, out_stride);
-    case ElemType::bf16:
+    case DType::bf16:
       return run_dim<__nv_bfloat16>(be, kv, qv, s, reduce, h2o_normalize, out, out_stride);
   }
   return detail::invalid("unknown element type");
 }
 
-Status check_out(const MutableScoreView& out, const TensorView& k) {
+Status check_out(const MutableScoreView& out, const TensorRef& k) {
   if (!out.data) return detail::invalid("null output pointer");
   if (out.layers != k.layers || out.heads != k.heads || out.tokens != k.tokens)
     return detail::invalid("output shape differs from the keys' [layers][heads][tokens]");
@@ -374,15 +373,15 @@ Status check_out(const MutableScoreView& out, const TensorView& k) {
 
 }  // namespace
 
-Status window_attention_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status window_attention_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                                         std::int64_t nq, std::size_t& bytes) {
   if (Status e = check_views(keys, queries, nq); !e.ok()) return e;
   bytes = stats_bytes(shape_of(keys, queries, nq));
   return {};
 }
 
-Status window_attention(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
-                        Reduce reduce, std::int64_t nq, const MutableScoreView& out) {
+Status window_attention(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
+                        GqaReduce reduce, std::int64_t nq, const MutableScoreView& out) {
   if (Status e = check_views(keys, queries, nq); !e.ok()) return e;
   if (Status e = check_out(out, keys); !e.ok()) return e;
   return run(be, keys, queries, shape_of(keys, queries, nq), reduce, false, out.data,
@@ -390,27 +389,27 @@ Status window_attention(const cuda_backend& be, const TensorView& keys, const Te
 }
 
 namespace {
-std::int64_t snap_w(const TensorView& k, const SnapKVParams& p) {
+std::int64_t snap_w(const TensorRef& k, const SnapKVParams& p) {
   return p.window < k.tokens ? p.window : k.tokens;
 }
-Status check_snap(const TensorView& k, const TensorView& q, const SnapKVParams& p) {
+Status check_snap(const TensorRef& k, const TensorRef& q, const SnapKVParams& p) {
   if (p.window < 1) return detail::invalid("snapkv window must be >= 1");
   if (p.kernel < 1 || p.kernel % 2 == 0) return detail::invalid("pooling kernel must be odd");
   return check_views(k, q, snap_w(k, p));
 }
-std::size_t colsum_bytes(const TensorView& k) {
+std::size_t colsum_bytes(const TensorRef& k) {
   return align256(static_cast<std::size_t>(k.layers * k.heads * k.tokens) * sizeof(float));
 }
 }  // namespace
 
-Status snapkv_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status snapkv_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                               const SnapKVParams& p, std::size_t& bytes) {
   if (Status e = check_snap(keys, queries, p); !e.ok()) return e;
   bytes = colsum_bytes(keys) + stats_bytes(shape_of(keys, queries, snap_w(keys, p)));
   return {};
 }
 
-Status snapkv_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+Status snapkv_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
                     const SnapKVParams& p, const MutableScoreView& out) {
   if (Status e = check_snap(keys, queries, p); !e.ok()) return e;
   if (Status e = check_out(out, keys); !e.ok()) return e;
@@ -434,12 +433,12 @@ Status snapkv_score(const cuda_backend& be, const TensorView& keys, const Tensor
   return {};
 }
 
-Status h2o_workspace_bytes(const TensorView& keys, const TensorView& queries, std::size_t& bytes) {
+Status h2o_workspace_bytes(const TensorRef& keys, const TensorRef& queries, std::size_t& bytes) {
   return window_attention_workspace_bytes(keys, queries, queries.tokens, bytes);
 }
 
-Status h2o_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
-                 Reduce reduce, bool normalize, const MutableScoreView& out) {
+Status h2o_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
+                 GqaReduce reduce, bool normalize, const MutableScoreView& out) {
   if (Status e = check_views(keys, queries, queries.tokens); !e.ok()) return e;
   if (Status e = check_out(out, keys); !e.ok()) return e;
   return run(be, keys, queries, shape_of(keys, queries, queries.tokens), reduce, normalize,

@@ -91,7 +91,7 @@ extern "C" void kvp_plugin_set_error(const char* message) {
 
 namespace {
 
-kvp_tensor to_c(const ErasedView& v) {
+kvp_tensor to_c(const TensorRef& v) {
   kvp_tensor t{};
   t.data = const_cast<void*>(v.data);
   t.dtype = v.dtype == DType::f32 ? KVP_F32 : v.dtype == DType::f16 ? KVP_F16 : KVP_BF16;

@@ -466,8 +466,8 @@ TEST_CASE("CUDA baseline wrappers and entry points reject bad arguments", "[agre
         }).find("exceed") != std::string::npos);
 
   // Type-erased entry points: a Status, never a throw.
-  const cuda::TensorView tv = cuda::tensor_view(in.keys);
-  cuda::TensorView null_keys = tv;
+  const TensorRef tv = erase(in.keys);
+  TensorRef null_keys = tv;
   null_keys.data = nullptr;
   CHECK(cuda::knorm_score(be, null_keys, cuda::MutableScoreView{o.data(), 2, 3, 5, 5}).code ==
         cuda::StatusCode::invalid_argument);

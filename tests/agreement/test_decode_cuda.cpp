@@ -552,7 +552,7 @@ TEST_CASE("packed decode attention: CUDA kernels match quant::packed_attention",
                              db = kvtest::upload(x.bias);
     const cuda::PackedHeadsView v =
         im.view(kt.data(), vt.data(), to.data(), rk.data(), rv.data(), rn.data(), ro.data());
-    const cuda::TensorView q{dq.data(), cuda::ElemType::f32, 1, x.queries.heads, c.nq, c.d,
+    const TensorRef q{dq.data(), DType::f32, 1, x.queries.heads, c.nq, c.d,
                              x.queries.stride_layer, x.queries.stride_head,
                              x.queries.stride_token, 1};
     cuda::PackedDecodeArgs a;

@@ -466,9 +466,9 @@ TEST_CASE("merge agreement: the CUDA entry points reject bad arguments before an
   CHECK(cuda::semantic_merge_workspace_bytes(1000, 10) ==
         static_cast<std::size_t>(cuda::semantic_merge_max_blocks * gsc::scratch_row_bytes(10)));
   CHECK(gsc::scratch_row_bytes(10) == 16 * 17);
-  a.type = cuda::CacheType::f16;  // 4-byte elements
+  a.type = DType::f16;  // 4-byte elements
   CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
-  a.type = cuda::CacheType::f32;
+  a.type = DType::f32;
   p.chunk = 0;  // no mask
   CHECK(cuda::semantic_merge(be, p, a).code == cuda::StatusCode::invalid_argument);
   p.chunk = 32;

@@ -165,7 +165,7 @@ ScoreMap emulate_colsums(const KVView<const T>& k, const KVView<const T>& q, std
   const std::int64_t qoff = q.tokens - nq;
   const float scale = 1.0f / std::sqrt(static_cast<float>(k.dim));
   const auto stats = emulate_stats(k, q, nq);
-  const auto r = static_cast<sm::Reduce>(reduce);
+  const GqaReduce r = reduce;
   ScoreMap out(L, Hkv, T_);
   for (std::int64_t l = 0; l < L; ++l)
     for (std::int64_t h = 0; h < Hkv; ++h)
@@ -199,7 +199,7 @@ ScoreMap emulate_snapkv(const SnapKV& s, const KVView<const T>& k, const KVView<
     for (std::int64_t h = 0; h < k.heads; ++h)
       for (std::int64_t j = 0; j < T_; ++j)
         out.row(l, h)[j] = sm::snapkv_at(col.row(l, h).data(), T_, w, j, s.kernel,
-                                         static_cast<sm::PoolKind>(s.pool));
+                                         static_cast<Pool>(s.pool));
   return out;
 }
 
@@ -299,7 +299,7 @@ TEST_CASE("pooling of one output element equals cpu::pool1d", "[agreement]") {
       for (Pool p : {Pool::avg, Pool::max}) {
         cpu::pool1d(in.data(), want.data(), n, kernel, p);
         for (std::int64_t j = 0; j < n; ++j) {
-          const float got = sm::pool_at(in.data(), n, j, kernel, static_cast<sm::PoolKind>(p));
+          const float got = sm::pool_at(in.data(), n, j, kernel, static_cast<Pool>(p));
           if (p == Pool::max) CHECK(got == want[static_cast<std::size_t>(j)]);
           else CHECK(std::abs(got - want[static_cast<std::size_t>(j)]) <=
                      1e-6f * std::abs(want[static_cast<std::size_t>(j)]));
@@ -308,10 +308,10 @@ TEST_CASE("pooling of one output element equals cpu::pool1d", "[agreement]") {
     }
   }
   const float col[4] = {1, 2, 3, 4};
-  CHECK(sm::snapkv_at(col, 4, 2, 2, 3, sm::PoolKind::avg) == FLT_MAX);
-  CHECK(sm::snapkv_at(col, 4, 2, 3, 3, sm::PoolKind::avg) == FLT_MAX);
-  CHECK(sm::snapkv_at(col, 4, 2, 0, 3, sm::PoolKind::avg) == Approx(1.0f));  // (0 + 1 + 2) / 3
-  CHECK(sm::snapkv_at(col, 4, 2, 1, 3, sm::PoolKind::max) == 2.0f);          // max(1, 2)
+  CHECK(sm::snapkv_at(col, 4, 2, 2, 3, Pool::avg) == FLT_MAX);
+  CHECK(sm::snapkv_at(col, 4, 2, 3, 3, Pool::avg) == FLT_MAX);
+  CHECK(sm::snapkv_at(col, 4, 2, 0, 3, Pool::avg) == Approx(1.0f));  // (0 + 1 + 2) / 3
+  CHECK(sm::snapkv_at(col, 4, 2, 1, 3, Pool::max) == 2.0f);          // max(1, 2)
 }
 
 // ---- host emulation of the kernels vs the references ----------------------------------------

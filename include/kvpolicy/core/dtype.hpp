@@ -2,6 +2,7 @@
 // __half / __nv_bfloat16 on the device). All scoring math is fp32 whatever the cache type.
 #pragma once
 #include "kvpolicy/core/eigen.hpp"
+#include "kvpolicy/core/types.hpp"
 #include <concepts>
 #include <cstdint>
 #include <string_view>
@@ -12,8 +13,6 @@ namespace kvpolicy {
 using half = Eigen::half;
 using bfloat16 = Eigen::bfloat16;
 
-enum class DType : std::uint8_t { f32, f16, bf16 };
-
 template <class T>
 concept Element = std::same_as<std::remove_const_t<T>, float> ||
                   std::same_as<std::remove_const_t<T>, half> ||
@@ -23,17 +22,6 @@ template <Element T>
 inline constexpr DType dtype_of = std::is_same_v<std::remove_const_t<T>, float>  ? DType::f32
                                   : std::is_same_v<std::remove_const_t<T>, half> ? DType::f16
                                                                                  : DType::bf16;
-
-constexpr std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::f32: return "float32";
-    case DType::f16: return "float16";
-    case DType::bf16: return "bfloat16";
-  }
-  return "?";
-}
-
-constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
 template <Element T>
 inline float to_float(T x) {

@@ -12,11 +12,9 @@
 #include "kvpolicy/core/head_shard.hpp"
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/core/score_map.hpp"
+#include "kvpolicy/core/types.hpp"
 
 namespace kvpolicy {
-
-// How query-head attention is reduced to its KV head under GQA.
-enum class GqaReduce : std::uint8_t { mean, max, sum };
 
 // What a stage reads. Bit flags.
 enum class Needs : unsigned {

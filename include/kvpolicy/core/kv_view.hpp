@@ -158,4 +158,13 @@ void require_finite(const KVView<T>& v, std::string_view what,
         }
 }
 
+// `v` as a TensorRef (core/types.hpp): the element type carried at run time, for external scorers
+// and the CUDA kernels' type-erased entry points.
+template <class T>
+  requires Element<T>
+TensorRef erase(const KVView<T>& v) {
+  return {v.data,         dtype_of<T>,   v.layers,       v.heads,      v.tokens, v.dim,
+          v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
+}
+
 }  // namespace kvpolicy

@@ -7,10 +7,7 @@
 #include <limits>
 
 #include "kvpolicy/core/error.hpp"
-
-namespace kvpolicy {
-enum class Pool : std::uint8_t { avg, max };
-}
+#include "kvpolicy/core/types.hpp"
 
 namespace kvpolicy::cpu {
 

@@ -16,18 +16,18 @@
 namespace kvpolicy::cuda {
 
 // KNorm::score: out[l][h][j] = -||k_j||_2 (fp32). No workspace.
-Status knorm_score(const cuda_backend& be, const TensorView& keys, const MutableScoreView& out);
+Status knorm_score(const cuda_backend& be, const TensorRef& keys, const MutableScoreView& out);
 
 // KeyDiff::score: -cos(k_j, anchor), anchor = mean_j k_j / ||k_j|| per (layer, head), in double
 // like the CPU scorer. Workspace: per-token norms, anchor partials per token chunk, anchors.
-Status keydiff_workspace_bytes(const TensorView& keys, std::size_t& bytes);
-Status keydiff_score(const cuda_backend& be, const TensorView& keys, const MutableScoreView& out);
+Status keydiff_workspace_bytes(const TensorRef& keys, std::size_t& bytes);
+Status keydiff_score(const cuda_backend& be, const TensorRef& keys, const MutableScoreView& out);
 
 // TOVA::score: window attention (GQA mean) of the last query, averaged over the layer's KV
 // heads; every head of a layer gets the same row. Workspace: window attention's plus its
 // [L][Hkv][T] result.
-Status tova_workspace_bytes(const TensorView& keys, const TensorView& queries, std::size_t& bytes);
-Status tova_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+Status tova_workspace_bytes(const TensorRef& keys, const TensorRef& queries, std::size_t& bytes);
+Status tova_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
                   const MutableScoreView& out);
 
 // Streaming::score: out[l][h][j] = j. No workspace.

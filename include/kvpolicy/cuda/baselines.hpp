@@ -42,7 +42,7 @@ std::size_t score_workspace_bytes(const KNorm&, const Inputs<T>&) {
 template <Element T>
 void score(const cuda_backend& be, const KNorm&, const Inputs<T>& in, const MutableScoreView& out) {
   detail::require_key_args(be, in.keys, out, "cuda::score(knorm)");
-  throw_if_error(knorm_score(be, tensor_view(in.keys), out), "cuda::score(knorm)");
+  throw_if_error(knorm_score(be, erase(in.keys), out), "cuda::score(knorm)");
 }
 
 // ---- KeyDiff --------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ void score(const cuda_backend& be, const KNorm&, const Inputs<T>& in, const Muta
 template <Element T>
 std::size_t score_workspace_bytes(const KeyDiff&, const Inputs<T>& in) {
   std::size_t b = 0;
-  return detail::bytes_or_throw(keydiff_workspace_bytes(tensor_view(in.keys), b), b,
+  return detail::bytes_or_throw(keydiff_workspace_bytes(erase(in.keys), b), b,
                                 "cuda::score_workspace_bytes(keydiff)");
 }
 
@@ -63,7 +63,7 @@ void score(const cuda_backend& be, const KeyDiff&, const Inputs<T>& in,
               " above 1024 is not supported");
   KVP_REQUIRE(in.keys.layers * in.keys.heads <= 65535, "cuda::score(keydiff): ",
               in.keys.layers * in.keys.heads, " (layer, head) rows exceed a grid's y extent");
-  throw_if_error(keydiff_score(be, tensor_view(in.keys), out), "cuda::score(keydiff)");
+  throw_if_error(keydiff_score(be, erase(in.keys), out), "cuda::score(keydiff)");
 }
 
 // ---- TOVA -----------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ template <Element T>
 std::size_t score_workspace_bytes(const TOVA&, const Inputs<T>& in) {
   std::size_t b = 0;
   return detail::bytes_or_throw(
-      tova_workspace_bytes(tensor_view(in.keys), tensor_view(in.queries), b), b,
+      tova_workspace_bytes(erase(in.keys), erase(in.queries), b), b,
       "cuda::score_workspace_bytes(tova)");
 }
 
@@ -82,7 +82,7 @@ template <Element T>
 void score(const cuda_backend& be, const TOVA&, const Inputs<T>& in, const MutableScoreView& out) {
   KVP_REQUIRE(in.queries.data && in.queries.tokens >= 1, "tova: needs the last query");
   detail::require_score_args(be, in.keys, in.queries, 1, out, "cuda::score(tova)");
-  throw_if_error(tova_score(be, tensor_view(in.keys), tensor_view(in.queries), out),
+  throw_if_error(tova_score(be, erase(in.keys), erase(in.queries), out),
                  "cuda::score(tova)");
 }
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/backend.hpp"
-#include "kvpolicy/cuda/score_launch.hpp"  // TensorView, ElemType
+#include "kvpolicy/cuda/score_launch.hpp"  // TensorRef, DType
 #include "kvpolicy/cuda/status.hpp"
 
 namespace kvpolicy::cuda {
@@ -34,12 +34,12 @@ struct DecodeArgs {
 std::int64_t decode_default_split(std::int64_t kv_heads, std::int64_t tokens, std::int64_t dim);
 
 // keys, values: one layer (layers == 1) in device memory; queries [1][Hq][n_q][d].
-Status decode_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status decode_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                               const DecodeArgs& args, std::size_t& bytes);
 
 // out: device fp32 [Hq][n_q][d] contiguous.
-Status decode_attention(const cuda_backend& be, const TensorView& keys, const TensorView& values,
-                        const TensorView& queries, const DecodeArgs& args, float* out);
+Status decode_attention(const cuda_backend& be, const TensorRef& keys, const TensorRef& values,
+                        const TensorRef& queries, const DecodeArgs& args, float* out);
 
 }  // namespace kvpolicy::cuda
 
@@ -82,7 +82,7 @@ std::size_t attention_workspace_bytes(const KVView<const T>& keys, const KVView<
                                       const KVView<const Q>& queries, const DecodeArgs& args) {
   detail::require_decode_args(keys, values, queries, args);
   std::size_t b = 0;
-  throw_if_error(decode_workspace_bytes(tensor_view(keys), tensor_view(queries), args, b),
+  throw_if_error(decode_workspace_bytes(erase(keys), erase(queries), args, b),
                  "cuda::attention_workspace_bytes");
   return b;
 }
@@ -93,8 +93,8 @@ void attention(const cuda_backend& be, const KVView<const T>& keys, const KVView
                const KVView<const Q>& queries, const DecodeArgs& args, float* out) {
   detail::require_decode_args(keys, values, queries, args);
   KVP_REQUIRE(out, "cuda::attention: null output");
-  throw_if_error(decode_attention(be, tensor_view(keys), tensor_view(values),
-                                  tensor_view(queries), args, out),
+  throw_if_error(decode_attention(be, erase(keys), erase(values),
+                                  erase(queries), args, out),
                  "cuda::attention");
 }
 

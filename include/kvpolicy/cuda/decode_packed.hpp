@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/backend.hpp"
-#include "kvpolicy/cuda/score_launch.hpp"  // TensorView, ElemType
+#include "kvpolicy/cuda/score_launch.hpp"  // TensorRef, DType
 #include "kvpolicy/cuda/status.hpp"
 
 namespace kvpolicy::cuda {
@@ -44,10 +44,10 @@ struct PackedDecodeArgs {
 };
 
 // queries: [1][Hq][n_q][dim] (device), any element type; out: device fp32 [Hq][n_q][dim].
-Status packed_decode_workspace_bytes(const PackedHeadsView& cache, const TensorView& queries,
+Status packed_decode_workspace_bytes(const PackedHeadsView& cache, const TensorRef& queries,
                                      const PackedDecodeArgs& args, std::size_t& bytes);
 Status packed_decode_attention(const cuda_backend& be, const PackedHeadsView& cache,
-                               const TensorView& queries, const PackedDecodeArgs& args,
+                               const TensorRef& queries, const PackedDecodeArgs& args,
                                float* out);
 
 }  // namespace kvpolicy::cuda

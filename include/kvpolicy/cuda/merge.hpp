@@ -69,9 +69,7 @@ void merge(const cuda_backend& be, const Semantic& s, const DeviceMergeArgs<T>& 
   SemanticMergeArgs d;
   d.keys = rows_view(a.keys);
   d.values = rows_view(a.values);
-  d.type = std::is_same_v<T, float> ? CacheType::f32
-           : std::is_same_v<T, half> ? CacheType::f16
-                                     : CacheType::bf16;
+  d.type = dtype_of<T>;
   d.selection = a.selection;
   d.scores = a.scores.data;
   d.score_stride = a.scores.row_stride;

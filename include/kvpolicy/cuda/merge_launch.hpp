@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/core/types.hpp"
 #include "kvpolicy/cuda/csr.hpp"
 #include "kvpolicy/cuda/launch.hpp"
 #include "kvpolicy/cuda/status.hpp"
@@ -13,14 +14,12 @@
 
 namespace kvpolicy::cuda {
 
-enum class CacheType : std::uint8_t { f32, f16, bf16 };
-
 // MergeArgs with device pointers. keys/values: same extents, element type `type`. Scores are
 // fp32 [rows][score_stride]; log_count [rows][log_count_stride] (0: tokens); delimiter optional
 // (stride 0: one mask [tokens] for every row); chunk_end optional (stride 0: tokens).
 struct SemanticMergeArgs {
   RowsView keys, values;
-  CacheType type = CacheType::f32;
+  DType type = DType::f32;
   CsrSelection selection;
   const float* scores = nullptr;
   std::int64_t score_stride = 0;

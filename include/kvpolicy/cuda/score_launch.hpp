@@ -7,21 +7,13 @@
 #include <cstdint>
 
 #include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/core/types.hpp"
 #include "kvpolicy/cuda/score_math.hpp"
 #include "kvpolicy/cuda/status.hpp"
 
 namespace kvpolicy::cuda {
 
-enum class ElemType : std::uint8_t { f32, f16, bf16 };
-
-// A read-only KVView<T> in device memory with its element type erased ([layer][head][token][dim],
-// strides in elements, any non-negative strides).
-struct TensorView {
-  const void* data = nullptr;
-  ElemType type = ElemType::f32;
-  std::int64_t layers = 0, heads = 0, tokens = 0, dim = 0;
-  std::int64_t stride_layer = 0, stride_head = 0, stride_token = 0, stride_dim = 1;
-};
+// Tensors arrive as kvpolicy::TensorRef (core/types.hpp) over device memory.
 
 // fp32 scores [layers][heads][tokens] written by an op; row r = l * heads + h starts at
 // data + r * row_stride (row_stride >= tokens).
@@ -33,33 +25,33 @@ struct MutableScoreView {
 struct SnapKVParams {
   std::int64_t window = 64;
   int kernel = 5;
-  scoring::PoolKind pool = scoring::PoolKind::avg;
-  scoring::Reduce reduce = scoring::Reduce::mean;
+  Pool pool = Pool::avg;
+  GqaReduce reduce = GqaReduce::mean;
 };
 
 // Workspace (bytes, 256-byte aligned parts) for window attention of the last `nq` of the
 // queries over `keys`: the per-row (max, sum) statistics, per key split and merged.
-Status window_attention_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status window_attention_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                                         std::int64_t nq, std::size_t& bytes);
 
 // out[l][h][j] = reduce over the group of h of sum_{i < nq} softmax_j(q_i . k_j / sqrt(d)), the
 // queries being the last nq of `queries` (query i at position T - nq + i, causal). Same values
 // as cpu::window_attention; deterministic (no atomics, fixed reduction orders).
-Status window_attention(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
-                        scoring::Reduce reduce, std::int64_t nq, const MutableScoreView& out);
+Status window_attention(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
+                        GqaReduce reduce, std::int64_t nq, const MutableScoreView& out);
 
 // SnapKV::score from queries: window attention of the last w = min(window, T) queries, pooled
 // over the T - w tokens before the window; window tokens score FLT_MAX.
-Status snapkv_workspace_bytes(const TensorView& keys, const TensorView& queries,
+Status snapkv_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
                               const SnapKVParams& p, std::size_t& bytes);
-Status snapkv_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
+Status snapkv_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
                     const SnapKVParams& p, const MutableScoreView& out);
 
 // H2O::score from queries (no given accumulators): column sums of all given queries' attention,
 // divided by the number of queries that saw each key when `normalize`.
-Status h2o_workspace_bytes(const TensorView& keys, const TensorView& queries, std::size_t& bytes);
-Status h2o_score(const cuda_backend& be, const TensorView& keys, const TensorView& queries,
-                 scoring::Reduce reduce, bool normalize, const MutableScoreView& out);
+Status h2o_workspace_bytes(const TensorRef& keys, const TensorRef& queries, std::size_t& bytes);
+Status h2o_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
+                 GqaReduce reduce, bool normalize, const MutableScoreView& out);
 
 // H2O::score from given state (a Session's accumulators, device memory, rows of `state_stride`
 // floats): the accumulators, or divided by the observed-query counts when normalize (then

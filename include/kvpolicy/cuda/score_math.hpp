@@ -14,12 +14,9 @@
 #include <cstdint>
 
 #include "kvpolicy/core/config.hpp"
+#include "kvpolicy/core/types.hpp"
 
 namespace kvpolicy::cuda::scoring {
-
-// Same values as kvpolicy::GqaReduce and kvpolicy::Pool (checked by the typed wrappers).
-enum class Reduce : std::uint8_t { mean, max, sum };
-enum class PoolKind : std::uint8_t { avg, max };
 
 // ---- masking --------------------------------------------------------------------------------
 
@@ -88,12 +85,12 @@ KVP_HD inline float dot(const float* a, const float* b, int d) {
 // ---- GQA reduction over a group's heads -----------------------------------------------------
 
 // Folds head m's column sum x into the running value (m = 0 starts it).
-KVP_HD inline float gqa_fold(float acc, float x, int m, Reduce r) {
+KVP_HD inline float gqa_fold(float acc, float x, int m, GqaReduce r) {
   if (m == 0) return x;
-  return r == Reduce::max ? (x > acc ? x : acc) : acc + x;
+  return r == GqaReduce::max ? (x > acc ? x : acc) : acc + x;
 }
-KVP_HD inline float gqa_finish(float acc, int g, Reduce r) {
-  return r == Reduce::mean ? acc / static_cast<float>(g) : acc;
+KVP_HD inline float gqa_finish(float acc, int g, GqaReduce r) {
+  return r == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
 }
 
 // ---- key splits of pass 1 -------------------------------------------------------------------
@@ -126,10 +123,10 @@ KVP_HD inline std::int64_t split_len(std::int64_t T, int splits) {
 // positions (count_include_pad), max ignores them; the same values as cpu::pool1d (whose running
 // sum is double; here each window is summed directly in double).
 KVP_HD inline float pool_at(const float* in, std::int64_t n, std::int64_t j, int kernel,
-                            PoolKind p) {
+                            Pool p) {
   const std::int64_t r = kernel / 2;
   const std::int64_t lo = j - r < 0 ? 0 : j - r, hi = j + r > n - 1 ? n - 1 : j + r;
-  if (p == PoolKind::max) {
+  if (p == Pool::max) {
     float m = -INFINITY;
     for (std::int64_t t = lo; t <= hi; ++t) m = in[t] > m ? in[t] : m;
     return m;
@@ -142,7 +139,7 @@ KVP_HD inline float pool_at(const float* in, std::int64_t n, std::int64_t j, int
 // SnapKV's score of token j from the pooled column sums: window tokens (the last w) are always
 // kept, as FLT_MAX.
 KVP_HD inline float snapkv_at(const float* colsum, std::int64_t T, std::int64_t w,
-                              std::int64_t j, int kernel, PoolKind p) {
+                              std::int64_t j, int kernel, Pool p) {
   return j >= T - w ? FLT_MAX : pool_at(colsum, T - w, j, kernel, p);
 }
 

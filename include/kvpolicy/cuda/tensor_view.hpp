@@ -1,6 +1,6 @@
-// Host side of the type-erased CUDA entry points: a typed KVView as the TensorView the kernels
-// take, and the argument checks every score-producing op shares. Not for .cu files (kv_view.hpp
-// brings Eigen); the kernels see score_launch.hpp only.
+// Host side of the type-erased CUDA entry points: the argument checks every score-producing op
+// shares (a typed KVView becomes the TensorRef the kernels take with kvpolicy::erase). Not for
+// .cu files (kv_view.hpp brings Eigen); the kernels see score_launch.hpp only.
 #pragma once
 #include <type_traits>
 
@@ -11,16 +11,6 @@
 #include "kvpolicy/cuda/score_launch.hpp"
 
 namespace kvpolicy::cuda {
-
-template <Element T>
-TensorView tensor_view(const KVView<T>& v) {
-  using U = std::remove_const_t<T>;
-  const ElemType t = std::is_same_v<U, float> ? ElemType::f32
-                     : std::is_same_v<U, half> ? ElemType::f16
-                                               : ElemType::bf16;
-  return {v.data,         t,           v.layers,       v.heads,       v.tokens, v.dim,
-          v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
-}
 
 namespace detail {
 // `out` must be a non-null [layers][heads][tokens] score view of `keys`' shape, and a non-zero

@@ -15,15 +15,6 @@
 
 namespace kvpolicy::cuda {
 
-static_assert(static_cast<int>(scoring::Reduce::mean) == static_cast<int>(GqaReduce::mean) &&
-              static_cast<int>(scoring::Reduce::max) == static_cast<int>(GqaReduce::max) &&
-              static_cast<int>(scoring::Reduce::sum) == static_cast<int>(GqaReduce::sum));
-static_assert(static_cast<int>(scoring::PoolKind::avg) == static_cast<int>(Pool::avg) &&
-              static_cast<int>(scoring::PoolKind::max) == static_cast<int>(Pool::max));
-
-inline scoring::Reduce to_reduce(GqaReduce r) { return static_cast<scoring::Reduce>(r); }
-inline scoring::PoolKind to_pool(Pool p) { return static_cast<scoring::PoolKind>(p); }
-
 
 namespace detail {
 template <Element T>
@@ -59,7 +50,7 @@ std::size_t window_attention_workspace_bytes(const KVView<const T>& keys,
                                              const KVView<const T>& queries, std::int64_t nq) {
   std::size_t b = 0;
   return detail::bytes_or_throw(
-      window_attention_workspace_bytes(tensor_view(keys), tensor_view(queries), nq, b), b,
+      window_attention_workspace_bytes(erase(keys), erase(queries), nq, b), b,
       "cuda::window_attention_workspace_bytes");
 }
 
@@ -70,7 +61,7 @@ void window_attention(const cuda_backend& be, const KVView<const T>& keys,
                       const KVView<const T>& queries, GqaReduce reduce, std::int64_t nq,
                       const MutableScoreView& out) {
   detail::require_score_args(be, keys, queries, nq, out, "cuda::window_attention");
-  throw_if_error(window_attention(be, tensor_view(keys), tensor_view(queries), to_reduce(reduce),
+  throw_if_error(window_attention(be, erase(keys), erase(queries), reduce,
                                   nq, out),
                  "cuda::window_attention");
 }
@@ -78,14 +69,14 @@ void window_attention(const cuda_backend& be, const KVView<const T>& keys,
 // ---- SnapKV / H2O scores from queries -------------------------------------------------------
 
 inline SnapKVParams snapkv_params(const SnapKV& s) {
-  return {s.window, s.kernel, to_pool(s.pool), to_reduce(s.reduce)};
+  return {s.window, s.kernel, s.pool, s.reduce};
 }
 
 template <Element T>
 std::size_t score_workspace_bytes(const SnapKV& s, const Inputs<T>& in) {
   std::size_t b = 0;
-  return detail::bytes_or_throw(snapkv_workspace_bytes(tensor_view(in.keys),
-                                                       tensor_view(in.queries), snapkv_params(s),
+  return detail::bytes_or_throw(snapkv_workspace_bytes(erase(in.keys),
+                                                       erase(in.queries), snapkv_params(s),
                                                        b),
                                 b, "cuda::score_workspace_bytes(snapkv)");
 }
@@ -101,7 +92,7 @@ void score(const cuda_backend& be, const SnapKV& s, const Inputs<T>& in,
               " queries, got ", in.queries.tokens);
   detail::require_score_args(be, in.keys, in.queries, w, out, "cuda::score(snapkv)");
   throw_if_error(
-      snapkv_score(be, tensor_view(in.keys), tensor_view(in.queries), snapkv_params(s), out),
+      snapkv_score(be, erase(in.keys), erase(in.queries), snapkv_params(s), out),
       "cuda::score(snapkv)");
 }
 
@@ -110,7 +101,7 @@ std::size_t score_workspace_bytes(const H2O&, const Inputs<T>& in) {
   if (in.accumulated) return 0;
   std::size_t b = 0;
   return detail::bytes_or_throw(
-      h2o_workspace_bytes(tensor_view(in.keys), tensor_view(in.queries), b), b,
+      h2o_workspace_bytes(erase(in.keys), erase(in.queries), b), b,
       "cuda::score_workspace_bytes(h2o)");
 }
 
@@ -137,8 +128,8 @@ void score(const cuda_backend& be, const H2O& s, const Inputs<T>& in,
               "h2o: needs accumulated attention or the queries to compute it");
   detail::require_score_args(be, in.keys, in.queries, in.queries.tokens, out,
                              "cuda::score(h2o)");
-  throw_if_error(h2o_score(be, tensor_view(in.keys), tensor_view(in.queries),
-                           to_reduce(s.reduce), s.normalize, out),
+  throw_if_error(h2o_score(be, erase(in.keys), erase(in.queries),
+                           s.reduce, s.normalize, out),
                  "cuda::score(h2o)");
 }
 

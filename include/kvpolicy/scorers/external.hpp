@@ -4,7 +4,7 @@
 // compaction then run exactly as for a built-in scorer.
 //
 // Choices:
-// - The inputs cross the boundary type-erased (ErasedView: pointer, dtype, extents, strides in
+// - The inputs cross the boundary type-erased (TensorRef: pointer, dtype, extents, strides in
 //   elements), in the caller's element type: no conversion copy of the cache for the plug-in.
 // - The plug-in states what it reads (needs, query window) and its protected tokens (first
 //   `sinks`, last `recent`) up front, like a built-in scorer's protect().
@@ -27,24 +27,10 @@
 
 namespace kvpolicy {
 
-// A KVView with its element type carried at run time.
-struct ErasedView {
-  const void* data = nullptr;
-  DType dtype = DType::f32;
-  std::int64_t layers = 0, heads = 0, tokens = 0, dim = 0;
-  std::int64_t stride_layer = 0, stride_head = 0, stride_token = 0, stride_dim = 1;
-};
-
-template <Element T>
-ErasedView erase(const KVView<const T>& v) {
-  return {v.data, dtype_of<T>, v.layers, v.heads, v.tokens, v.dim,
-          v.stride_layer, v.stride_head, v.stride_token, v.stride_dim};
-}
-
 // What an external scorer sees: keys always; values and queries when it asked for them and the
 // caller gave them (data == nullptr otherwise); H2O-style accumulated attention if present.
 struct ExternalInputs {
-  ErasedView keys, values, queries;
+  TensorRef keys, values, queries;
   const float* accumulated = nullptr;
   std::int64_t state_stride = 0;  // elements between (layer, head) rows of `accumulated`
 };
