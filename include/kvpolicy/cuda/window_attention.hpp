@@ -61,8 +61,7 @@ void window_attention(const cuda_backend& be, const KVView<const T>& keys,
                       const KVView<const T>& queries, GqaReduce reduce, std::int64_t nq,
                       const MutableScoreView& out) {
   detail::require_score_args(be, keys, queries, nq, out, "cuda::window_attention");
-  throw_if_error(window_attention(be, erase(keys), erase(queries), reduce,
-                                  nq, out),
+  throw_if_error(window_attention(be, erase(keys), erase(queries), reduce, nq, out),
                  "cuda::window_attention");
 }
 
@@ -75,9 +74,8 @@ inline SnapKVParams snapkv_params(const SnapKV& s) {
 template <Element T>
 std::size_t score_workspace_bytes(const SnapKV& s, const Inputs<T>& in) {
   std::size_t b = 0;
-  return detail::bytes_or_throw(snapkv_workspace_bytes(erase(in.keys),
-                                                       erase(in.queries), snapkv_params(s),
-                                                       b),
+  return detail::bytes_or_throw(snapkv_workspace_bytes(erase(in.keys), erase(in.queries),
+                                                       snapkv_params(s), b),
                                 b, "cuda::score_workspace_bytes(snapkv)");
 }
 
