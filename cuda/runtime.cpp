@@ -49,6 +49,23 @@ void fill_bytes(void* dst, int value, std::size_t bytes, void* stream) {
 
 void synchronize(void* stream) { check(cudaStreamSynchronize(stream_of(stream)), "synchronize"); }
 
+DeviceGuard::DeviceGuard(int device) {
+  int current = 0;
+  check(cudaGetDevice(&current), "DeviceGuard");
+  if (current == device) return;
+  const cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    ::kvpolicy::detail::fail("cuda device ", device, ": cannot select it: CUDA error ",
+                             static_cast<int>(e), " (", cudaGetErrorString(e), ")");
+  }
+  previous_ = current;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) (void)cudaSetDevice(previous_);
+}
+
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
   check(cudaMalloc(&ptr_, bytes), "DeviceBuffer");

@@ -100,8 +100,9 @@ class Policy:
     uniform, pyramid, depthkv and adakv, and refuses other stages, state arrays
     (``accumulated``, ...), ``return_scores``, ``shard`` and ``inplace=False`` by name. It needs
     kvpolicy built with CUDA (``kvpolicy._core.cuda_built``; ``pip install . -C
-    cmake.define.KVPOLICY_CUDA=ON``); otherwise it checks every argument, then raises
-    RuntimeError. ``stream``: the CUDA stream to run on, as an integer handle (e.g.
+    cmake.define.KVPOLICY_CUDA=ON``); otherwise it checks the arguments (all but the kernels'
+    own shape limits), then raises RuntimeError. float32, float16 and bfloat16 tensors; the
+    call runs on the tensors' device. ``stream``: the CUDA stream to run on, as an integer handle (e.g.
     ``torch.cuda.current_stream().cuda_stream``; None: the legacy default stream); the
     producers order their pending work before it (``__dlpack__(stream=...)``), and the call
     returns when the stream has finished (the selection is downloaded). It allocates its

@@ -2,10 +2,11 @@
 // CUDA device path (kvpolicy/cuda/policy.hpp) without a copy. The Python wrapper
 // (kvpolicy/_policy.py) routes a call here when a tensor lives outside host memory and hands over
 // the producers' DLPack capsules (__dlpack__(stream=...), so that the producer's pending work is
-// ordered before ours). Every argument is checked here in every build, before anything touches
-// the device: capsule, device type and id, dtype, rank, strides, shapes, budget, the policy's
-// stages (one without a device path is named); then a CUDA build runs cuda::run_owned on the
-// given stream and a CPU-only build raises RuntimeError saying so.
+// ordered before ours). The arguments are checked here in every build, before anything touches
+// the device: capsule, device type and id, dtype, rank, strides, alignment, shapes, budget, the
+// policy's stages (one without a device path is named); then a CUDA build runs cuda::run_owned
+// on the tensors' device and the given stream (the kernels' own shape limits, e.g. head_dim, are
+// checked there), and a CPU-only build raises RuntimeError saying so.
 //
 // The capsules are borrowed, not consumed: the producer's capsule keeps owning the tensor, and
 // the call returns only after the stream has finished with it (run_owned downloads the selection).
@@ -65,14 +66,18 @@ DeviceTensor borrow(const py::handle& capsule, const char* what) {
     type_error(what, ": tensor is on DLPack device '", device_name(d.device_type), "' (type ",
                d.device_type, "); the device path takes CUDA tensors (host tensors go through "
                "numpy)");
-  if (t.dtype.lanes != 1 || !(t.dtype.code == kDLFloat && (t.dtype.bits == 32 || t.dtype.bits == 16)))
+  const bool floating = t.dtype.code == kDLFloat && (t.dtype.bits == 32 || t.dtype.bits == 16);
+  const bool brain = t.dtype.code == kDLBfloat && t.dtype.bits == 16;
+  if (t.dtype.lanes != 1 || !(floating || brain))
     type_error(what, ": dtype (",
                t.dtype.code == kDLBfloat
                    ? "bfloat" + std::to_string(t.dtype.bits)
                    : "code " + std::to_string(t.dtype.code) + ", " + std::to_string(t.dtype.bits) +
                          " bits",
-               ", ", t.dtype.lanes, " lanes) is not supported (expected float32 or float16)");
-  d.dtype = t.dtype.bits == 32 ? kvpolicy::DType::f32 : kvpolicy::DType::f16;
+               ", ", t.dtype.lanes,
+               " lanes) is not supported (expected float32, float16 or bfloat16)");
+  d.dtype = brain ? kvpolicy::DType::bf16
+                  : t.dtype.bits == 32 ? kvpolicy::DType::f32 : kvpolicy::DType::f16;
   if (t.ndim != 3 && t.ndim != 4)
     value_error(what, ": expected a 4-d tensor [layers][heads][tokens][head_dim] (or 3-d "
                 "[heads][tokens][head_dim]), got ", t.ndim, " dimensions");
@@ -91,6 +96,10 @@ DeviceTensor borrow(const py::handle& capsule, const char* what) {
     row_major *= std::max<std::int64_t>(n, 1);
   }
   d.data = static_cast<char*>(t.data) + t.byte_offset;
+  const std::size_t item = kvpolicy::dtype_size(d.dtype);
+  if (reinterpret_cast<std::uintptr_t>(d.data) % item != 0)
+    value_error(what, ": data pointer (with byte_offset ", t.byte_offset,
+                ") is not aligned to its ", item, "-byte elements");
   return d;
 }
 
@@ -140,8 +149,8 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
   kvpolicy::cuda::OwnedEvent r;
   {
     py::gil_scoped_release nogil;
-    r = kvpolicy::cuda::run_owned(reinterpret_cast<void*>(stream), p, k, v, in, budget, compact,
-                                  ev);
+    r = kvpolicy::cuda::run_owned(kd.device_id, reinterpret_cast<void*>(stream), p, k, v, in,
+                                  budget, compact, ev);
   }
   py::tuple out = selection_arrays(r.selection);
   return py::make_tuple(out[0], out[1], py::none(), r.event.warning);
@@ -150,7 +159,7 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
   throw std::runtime_error(
       "kvpolicy: this build has no CUDA, so CUDA tensors cannot be compressed where they are "
       "(reinstall with CUDA: pip install . -C cmake.define.KVPOLICY_CUDA=ON, or pass host "
-      "tensors); every argument was checked");
+      "tensors); the arguments passed the checks made without a device");
 #endif
 }
 
@@ -180,9 +189,13 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
   ev.model_layers = model_layers;
   const DeviceTensor* vp = v ? &*v : nullptr;
   const DeviceTensor* qp = q ? &*q : nullptr;
-  return k.dtype == kvpolicy::DType::f32
-             ? run<float>(p, k, vp, qp, budget, ev, compact, stream)
-             : run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream);
+  switch (k.dtype) {
+    case kvpolicy::DType::f32: return run<float>(p, k, vp, qp, budget, ev, compact, stream);
+    case kvpolicy::DType::f16: return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream);
+    case kvpolicy::DType::bf16:
+      return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream);
+  }
+  value_error("keys: unknown dtype");
 }
 
 }  // namespace

@@ -2,10 +2,10 @@
 run in every build, and, where a GPU and a CUDA build exist, the kept sets against the host path.
 
 The argument checks use stand-in CUDA tensors: a DLPack capsule built with ctypes that says
-"CUDA device 0" (or another device) over host memory that is never read by the checks. A
-CPU-only build (kvpolicy._core.cuda_built is False) then raises RuntimeError after every check;
-a CUDA build on a machine without a GPU raises the CUDA error of its first allocation. Neither
-touches the (fake) device memory."""
+"CUDA device 4095" (a device no machine has) over host memory that the checks never read. A
+call that passes the checks then raises before any memory is touched: RuntimeError in a
+CPU-only build (kvpolicy._core.cuda_built is False), the device guard's "cannot select it" (or
+the runtime's "no device") in a CUDA build, GPU or not."""
 
 import ctypes
 
@@ -45,14 +45,22 @@ _CODES = {np.dtype(np.float32): (2, 32), np.dtype(np.float16): (2, 16),
           np.dtype(np.float64): (2, 64), np.dtype(np.int32): (0, 32)}
 
 
+NO_DEVICE = (2, 4095)  # kDLCUDA, an ordinal no machine has
+
+
 class FakeDeviceTensor:
     """A DLPack producer that says its memory (a numpy array's) is on `device` (type, id).
-    `bfloat16=True` reports dtype bfloat16. Records the stream each __dlpack__ was asked for."""
+    `dtype`: a (DLPack type code, bits) to report instead of the array's (e.g. (4, 16):
+    bfloat16). `base`: an array that `array` views; the capsule then points at `base` with a
+    byte_offset. `null_strides`: no strides (row-major). Records the stream each __dlpack__ was
+    asked for."""
 
-    def __init__(self, array, device=(2, 0), bfloat16=False):
+    def __init__(self, array, device=NO_DEVICE, dtype=None, base=None, null_strides=False):
         self.array = array
         self.device = device
-        self.bfloat16 = bfloat16
+        self.dtype = dtype
+        self.base = base
+        self.null_strides = null_strides
         self.streams = []
         self._keep = []
 
@@ -61,7 +69,7 @@ class FakeDeviceTensor:
         return self.array.shape
 
     def __getitem__(self, index):
-        return FakeDeviceTensor(self.array[index], self.device, self.bfloat16)
+        return FakeDeviceTensor(self.array[index], self.device, self.dtype)
 
     def __dlpack_device__(self):
         return self.device
@@ -71,10 +79,13 @@ class FakeDeviceTensor:
         a = self.array
         shape = (ctypes.c_int64 * a.ndim)(*a.shape)
         strides = (ctypes.c_int64 * a.ndim)(*(s // a.itemsize for s in a.strides))
-        code, bits = (4, 16) if self.bfloat16 else _CODES[a.dtype]
+        code, bits = self.dtype or _CODES[a.dtype]
+        data, offset = a.ctypes.data, 0
+        if self.base is not None:
+            data, offset = self.base.ctypes.data, a.ctypes.data - self.base.ctypes.data
         m = _DLManagedTensor()
-        m.dl_tensor = _DLTensor(a.ctypes.data, _DLDevice(*self.device), a.ndim,
-                                _DLDataType(code, bits, 1), shape, strides, 0)
+        m.dl_tensor = _DLTensor(data, _DLDevice(*self.device), a.ndim, _DLDataType(code, bits, 1),
+                                shape, None if self.null_strides else strides, offset)
         self._keep += [shape, strides, m]
         return _capsule_new(ctypes.addressof(m), b"dltensor", None)
 
@@ -88,10 +99,11 @@ def _queries(rng, L=2, Hq=6, n=8, d=32, dtype=np.float32):
 
 
 def _after_checks():
-    """What a call that passed every check raises on this machine (no GPU)."""
+    """What a call on NO_DEVICE that passed the checks raises, before touching memory."""
     if _core.cuda_built:
-        return pytest.raises(Exception, match="CUDA|cuda")
-    return pytest.raises(RuntimeError, match="this build has no CUDA.*every argument was checked")
+        return pytest.raises(ValueError, match="cuda device 4095: cannot select it|"
+                                               "DeviceGuard: CUDA error")
+    return pytest.raises(RuntimeError, match="this build has no CUDA.*passed the checks")
 
 
 def test_valid_call_passes_every_check_then_reports_the_build(rng):
@@ -103,10 +115,20 @@ def test_valid_call_passes_every_check_then_reports_the_build(rng):
         p.select(dk, dv, dq, budget=0.5)
     with _after_checks():
         p.compress(dk, dv, dq, budget_tokens=12)
-    # A 3-d cache (one layer) and float16 pass the checks too.
+    # A 3-d cache (one layer), float16 and bfloat16 pass the checks too.
     k16, v16 = k[0].astype(np.float16), v[0].astype(np.float16)
     with _after_checks():
         p.select(*_device(k16, v16, q[0].astype(np.float16)), budget=0.5)
+    with _after_checks():
+        p.select(*_device(k16, v16, q[0].astype(np.float16), dtype=(4, 16)), budget=0.5)
+    # Row-major tensors without strides, and keys and values in one buffer (byte_offset).
+    with _after_checks():
+        p.compress(*_device(k, v, q, null_strides=True), budget=0.5)
+    both = np.concatenate([k.ravel(), v.ravel()])
+    kb, vb = both[:k.size].reshape(k.shape), both[k.size:].reshape(v.shape)
+    with _after_checks():
+        p.compress(FakeDeviceTensor(kb, base=both), FakeDeviceTensor(vb, base=both),
+                   FakeDeviceTensor(q), budget=0.5)
 
 
 def test_the_producers_are_asked_for_the_callers_stream(rng):
@@ -121,6 +143,8 @@ def test_the_producers_are_asked_for_the_callers_stream(rng):
     assert dk.streams[-1] == 0x1234 and dv.streams[-1] == 0x1234
     with pytest.raises(TypeError, match="stream: expected a CUDA stream handle"):
         p.select(dk, dv, stream=-1)
+    with pytest.raises(TypeError, match="stream: expected a CUDA stream handle"):
+        p.select(dk, dv, stream=True)
     with pytest.raises(ValueError, match="stream: given, but no tensor is on a CUDA device"):
         p.select(k, v, stream=5)
 
@@ -140,22 +164,24 @@ def test_dtypes_and_devices_are_checked(rng):
     p = kvpolicy.Policy("knorm")
     with pytest.raises(TypeError, match=r"keys: dtype \(code 2, 64 bits, 1 lanes\) is not supported"):
         p.select(*_device(k.astype(np.float64), v))
-    with pytest.raises(TypeError, match=r"keys: dtype \(bfloat16, 1 lanes\)"):
-        p.select(*_device(k, v, bfloat16=True))
+    with pytest.raises(TypeError, match=r"keys: dtype \(bfloat32, 1 lanes\) is not supported"):
+        p.select(*_device(k, v, dtype=(4, 32)))
     with pytest.raises(TypeError, match="values: dtype float16 differs from keys. float32"):
         p.select(*_device(k, v.astype(np.float16)))
     with pytest.raises(TypeError, match="keys: tensor is on DLPack device 'rocm'"):
         p.select(*_device(k, v, device=(10, 0)))
-    dk = FakeDeviceTensor(k)
+    dk = FakeDeviceTensor(k, device=(2, 0))
     with pytest.raises(ValueError, match="values: on cuda:1 but keys are on cuda:0"):
         p.select(dk, FakeDeviceTensor(v, device=(2, 1)))
+    with pytest.raises(ValueError, match="values: on cuda_managed:0 but keys are on cuda:0"):
+        p.select(dk, FakeDeviceTensor(v, device=(13, 0)))
     with pytest.raises(ValueError, match="values: a host array while another tensor is on"):
         p.select(dk, v)
     with pytest.raises(ValueError, match="keys: a host array"):
         p.select(k, FakeDeviceTensor(v))
     with pytest.raises(ValueError, match="queries: 3-d while keys are 4-d"):
-        kvpolicy.Policy("snapkv(window=8)").select(dk, FakeDeviceTensor(v),
-                                                   FakeDeviceTensor(q[0]))
+        kvpolicy.Policy("snapkv(window=8)").select(dk, FakeDeviceTensor(v, device=(2, 0)),
+                                                   FakeDeviceTensor(q[0], device=(2, 0)))
 
 
 def test_shapes_and_budgets_are_checked(rng):
@@ -179,6 +205,11 @@ def test_shapes_and_budgets_are_checked(rng):
         snap.compress(dk, None, dq, budget=0.5)
     with pytest.raises(ValueError, match="values: shares memory with keys"):
         snap.compress(dk, FakeDeviceTensor(k), dq, budget=0.5)
+    raw = np.zeros(k.size + 1, np.float32)
+    shifted = raw.view(np.uint8)[2:2 + k.nbytes].view(np.float32).reshape(k.shape)
+    with pytest.raises(ValueError, match=r"keys: data pointer \(with byte_offset 2\) is not "
+                                         "aligned to its 4-byte elements"):
+        snap.select(FakeDeviceTensor(shifted, base=raw), dv, dq, budget=0.5)
 
 
 def test_arguments_the_device_path_does_not_take_are_named(rng):
@@ -196,27 +227,67 @@ def test_arguments_the_device_path_does_not_take_are_named(rng):
         h2o.compress(dk, dv, dq, inplace=False)
 
 
-def _torch_cuda():
-    try:
-        import torch as t
-    except ImportError:
-        return None
-    return t if t.cuda.is_available() else None
+def _cudart():
+    """The CUDA runtime through ctypes when this machine has a GPU, else None."""
+    import ctypes.util
+    for name in (ctypes.util.find_library("cudart"), "libcudart.so",
+                 "/usr/local/cuda/lib64/libcudart.so"):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if lib.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
+            return lib
+    return None
 
 
-@pytest.mark.skipif(not _core.cuda_built or _torch_cuda() is None,
-                    reason="needs kvpolicy built with CUDA and a GPU (torch.cuda)")
+class DeviceCopy(FakeDeviceTensor):
+    """A real CUDA copy of a numpy array (cudaMalloc + cudaMemcpy through ctypes), as a DLPack
+    producer: no torch or CuPy needed."""
+
+    def __init__(self, cudart, array):
+        self.cudart, self.host = cudart, np.ascontiguousarray(array)
+        ptr = ctypes.c_void_p()
+        assert cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.host.nbytes)) == 0
+        assert cudart.cudaMemcpy(ptr, self.host.ctypes.data_as(ctypes.c_void_p),
+                                 ctypes.c_size_t(self.host.nbytes), 1) == 0  # host to device
+        self.ptr = ptr
+        super().__init__(self.host, device=(2, 0))
+
+    def __dlpack__(self, stream=None):
+        cap = super().__dlpack__(stream)
+        self._keep[-1].dl_tensor.data = self.ptr.value  # the device copy, not the host array
+        return cap
+
+    def numpy(self):
+        out = np.empty_like(self.host)
+        assert self.cudart.cudaMemcpy(out.ctypes.data_as(ctypes.c_void_p), self.ptr,
+                                      ctypes.c_size_t(out.nbytes), 2) == 0  # device to host
+        return out
+
+    def __del__(self):
+        self.cudart.cudaFree(self.ptr)
+
+
+_CUDART = _cudart()
+
+
+@pytest.mark.skipif(not _core.cuda_built or _CUDART is None,
+                    reason="needs kvpolicy built with CUDA (-C cmake.define.KVPOLICY_CUDA=ON) "
+                           "and a GPU")
 def test_cuda_tensors_keep_the_host_paths_sets(rng):
-    t = _torch_cuda()
     k, v = cache(rng, T=64)
     q = _queries(rng)
     for spec in ("snapkv(window=8) | pyramid | adakv", "knorm", "tova", "keydiff | adakv"):
         p = kvpolicy.Policy(spec)
         want = p.compress(k.copy(), v.copy(), q, budget=0.4)
-        dk, dv, dq = (t.from_numpy(x.copy()).cuda() for x in (k, v, q))
-        stream = t.cuda.current_stream().cuda_stream
-        got = p.compress(dk, dv, dq, budget=0.4, stream=stream)
+        dk, dv, dq = (DeviceCopy(_CUDART, x) for x in (k, v, q))
+        got = p.compress(dk, dv, dq, budget=0.4)
         np.testing.assert_array_equal(got.indices, want.indices)
         np.testing.assert_array_equal(got.counts, want.counts)
-        np.testing.assert_array_equal(got.keys.cpu().numpy(), want.keys)
-        np.testing.assert_array_equal(got.values.cpu().numpy(), want.values)
+        width = want.indices.shape[2]
+        np.testing.assert_array_equal(dk.numpy()[:, :, :width], want.keys)
+        np.testing.assert_array_equal(dv.numpy()[:, :, :width], want.values)

@@ -369,6 +369,19 @@ TEST_CASE("device policy: stages without a device path, and bad arguments, are r
   ev.model_layers = 6;
   REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm | pyramid"), in, b, ev),
                       Contains("do not fit a model of 6 layers"));
+#if defined(KVPOLICY_WITH_CUDA)
+  // run_owned makes the tensors' device current before it allocates or launches anything: a
+  // device no machine has is refused (here, without a GPU, the runtime's own error comes first)
+  // and the (host) views are never read.
+  {
+    Model h(5, false);
+    Inputs<float> hin = h.inputs();
+    REQUIRE_THROWS_WITH(cuda::run_owned(4095, nullptr, Policy("knorm"), h.k.mut_view(),
+                                        h.v.mut_view(), hin, b, true),
+                        Contains("cuda device 4095: cannot select it") ||
+                            Contains("DeviceGuard: CUDA error"));
+  }
+#endif
   const HeadShard shard{0, 1, 0, kH, nullptr, nullptr};
   EventInfo sharded;
   sharded.shard = &shard;
@@ -455,7 +468,8 @@ TEST_CASE("device policy on the GPU: run_owned allocates, compresses and downloa
   in.keys = k;
   in.values = v;
   in.queries.data = static_cast<const float*>(dq.data());
-  const cuda::OwnedEvent got = cuda::run_owned(nullptr, p, k, v, in, Budget::ratio(0.4), true);
+  const cuda::OwnedEvent got =
+      cuda::run_owned(0, nullptr, p, k, v, in, Budget::ratio(0.4), true);
   require_same_rows(want, got.selection);
   REQUIRE(got.event.warning == want.warning());
   REQUIRE(kvtest::download<float>(dk, a.k.buf.size()) == a.k.buf);

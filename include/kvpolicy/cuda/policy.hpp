@@ -217,6 +217,9 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
   for (const auto& a : policy.allocators()) on_device = on_device || std::holds_alternative<AdaKV>(a);
   validate(in, policy.needs(), policy.query_window());
   kvpolicy::detail::check_event_layers(ev, in.layers());
+  KVP_REQUIRE(ev.alloc_state_stride == 0 || ev.alloc_state_stride >= in.tokens(),
+              "alloc_state_stride ", ev.alloc_state_stride, " is below the ", in.tokens(),
+              " tokens of the event");
   EventSetup s;
   s.layers = in.layers();
   s.heads = in.kv_heads();
@@ -256,6 +259,15 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
             al.allocate(ctx, std::span<std::int64_t>(s.budgets));
         },
         a);
+  // The host budgets' checks (the CPU path's: cpu::select's, and adakv's for its input), so that
+  // plan() refuses what select() would.
+  const std::int64_t P = protect.total(Tk);
+  for (std::int64_t b : s.budgets) {
+    KVP_REQUIRE(b >= Tk || b >= P, "budget of ", b, " tokens is below the ", P,
+                " protected tokens (", protect.sinks, " sinks + ", protect.recent, " recent)");
+    KVP_REQUIRE(!on_device || (b >= std::min(P, Tk) && b <= Tk), "adakv: budget ", b,
+                " is outside [", std::min(P, Tk), ", ", Tk, "]");
+  }
   return s;
 }
 
@@ -339,16 +351,7 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
               "': output selection has null offsets");
   KVP_REQUIRE(need == 0 || out.indices, "cuda policy '", policy.spec(),
               "': output selection has null indices");
-  // The host budgets' checks (the CPU path's: cpu::select's, and adakv's for its input), then
-  // one upload before any kernel of the event, so that every later stage reads device budgets.
-  const std::int64_t Tk = s.tokens, P = s.event.protect.total(Tk);
-  for (std::int64_t b : s.budgets) {
-    KVP_REQUIRE(b >= Tk || b >= P, "budget of ", b, " tokens is below the ", P,
-                " protected tokens (", s.event.protect.sinks, " sinks + ",
-                s.event.protect.recent, " recent)");
-    KVP_REQUIRE(!s.device_allocators || !s.event.evicts || (b >= std::min(P, Tk) && b <= Tk),
-                "adakv: budget ", b, " is outside [", std::min(P, Tk), ", ", Tk, "]");
-  }
+  // One upload before any kernel of the event, so that every later stage reads device budgets.
   auto* base = static_cast<std::byte*>(workspace);
   float* score_data = reinterpret_cast<float*>(base);
   auto* dev_budgets = reinterpret_cast<std::int64_t*>(base + lay.budgets_at);
@@ -392,6 +395,8 @@ PolicyEvent compress(const Dev& dev, void* workspace, std::size_t workspace_byte
                     values.tokens == keys.tokens,
                 "values shape does not match keys");
   }
+  KVP_REQUIRE(out.rows() == 0 || keys.tokens == 0 || out.indices, "cuda policy '", policy.spec(),
+              "': output selection has null indices (compaction reads them)");
   PolicyEvent e = select(dev, workspace, workspace_bytes, policy, in, budget, out, ev);
   dev.compact(keys, out);
   if (values.data) dev.compact(values, out);
@@ -664,14 +669,17 @@ struct OwnedEvent {
 };
 
 // select() / compress() for callers without an allocator of their own (bindings, scripts, the
-// Python device entry): allocates the workspace and the CSR output (cudaMalloc), runs the event
-// on `stream` (nullptr: the legacy default stream), downloads the selection and waits for the
-// stream. `compact`: compress `keys` / `values` in place (the memory `in` reads) after
-// selecting. Not for an engine's hot path: cudaMalloc / cudaFree synchronise the device.
+// Python device entry): on CUDA device `device` (the tensors' own; made current for the call and
+// restored after), allocates the workspace and the CSR output (cudaMalloc), runs the event on
+// `stream` (a stream of that device; nullptr: the legacy default stream), downloads the
+// selection and waits for the stream. `compact`: compress `keys` / `values` in place (the memory
+// `in` reads) after selecting. Not for an engine's hot path: cudaMalloc / cudaFree synchronise
+// the device.
 template <Element T>
-OwnedEvent run_owned(void* stream, const Policy& policy, const KVView<T>& keys,
+OwnedEvent run_owned(int device, void* stream, const Policy& policy, const KVView<T>& keys,
                      const KVView<T>& values, const Inputs<T>& in, const Budget& budget,
                      bool compact, const EventInfo& ev = {}) {
+  const DeviceGuard on_device(device);  // first: the workspace queries ask the current device
   const PolicyPlan p = plan(policy, in, budget, ev);
   DeviceBuffer ws(p.workspace_bytes);
   DeviceBuffer offsets(static_cast<std::size_t>(p.rows + 1) * sizeof(std::int64_t));
@@ -686,9 +694,17 @@ OwnedEvent run_owned(void* stream, const Policy& policy, const KVView<T>& keys,
   HostCsr host;
   host.layers = csr.layers;
   host.heads = csr.heads;
-  host.offsets.resize(static_cast<std::size_t>(p.rows + 1));
+  host.offsets.assign(static_cast<std::size_t>(p.rows + 1), 0);
+  if (p.rows == 0) {  // (no kernel wrote offsets[0])
+    synchronize(stream);
+    r.selection = from_csr(host);
+    return r;
+  }
   copy_to_host(host.offsets.data(), csr.offsets, host.offsets.size() * sizeof(std::int64_t),
                stream);
+  KVP_REQUIRE(host.offsets.back() >= 0 && host.offsets.back() <= p.kept_capacity,
+              "cuda::run_owned: the device selection holds ", host.offsets.back(),
+              " indices, outside [0, ", p.kept_capacity, "]");
   host.indices.resize(static_cast<std::size_t>(host.offsets.back()));
   copy_to_host(host.indices.data(), csr.indices, host.indices.size() * sizeof(std::int32_t),
                stream);

@@ -16,6 +16,20 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes, void* stream = 
 void fill_bytes(void* dst, int value, std::size_t bytes, void* stream = nullptr);
 void synchronize(void* stream = nullptr);
 
+// Makes `device` the calling thread's current CUDA device for its lifetime and restores the
+// previous one after (allocations and launches go to the current device). Throws
+// kvpolicy::Error naming the device when it cannot be selected (e.g. no such device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // Owning device allocation (cudaMalloc / cudaFree). Movable, not copyable.
 class DeviceBuffer {
  public:
