@@ -26,8 +26,8 @@
 //   - paged caches (plan_paged / compress_paged: one request, gathered into a dense copy in the
 //     workspace, then compacted inside its blocks) and ragged batches (plan_batch /
 //     compress_batch: one event per sequence, in order).
-//   - not on this path yet: tensor parallelism (EventInfo::shard), allocator state
-//     (EventInfo::alloc_state), a Session on the device.
+//   - not on this path yet: tensor parallelism (EventInfo::shard), stateful allocators (ams, the
+//     one reader of EventInfo::alloc_state), a Session on the device.
 //
 // Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
 // from the shapes, then uploaded before the event's first kernel; it waits for the work already
