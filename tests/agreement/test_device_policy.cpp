@@ -261,10 +261,14 @@ TEST_CASE("device policy (emulated kernels): a paged request is selected and com
       REQUIRE(e.warning == want.selection.warning());
       REQUIRE(kb == ka);
       REQUIRE(vb == va);
-      // One synchronisation (the upload) before the event's own kernels, the gathers first.
+      // One synchronisation (the upload) before the event's own kernels, the gathers first; an
+      // event that keeps every token gathers nothing.
       REQUIRE(dev.calls.size() >= 3);
       REQUIRE(dev.calls[0] == "upload");
-      REQUIRE(dev.calls[1] == "paged_gather");
+      const bool keeps_all = b.kind() == Budget::Kind::ratio && b.value() == 1.0;
+      REQUIRE((dev.calls[1] == "paged_gather") == !keeps_all);
+      const long gathers = keeps_all ? 0 : has(p.needs(), Needs::values) ? 2 : 1;  // keys, values
+      REQUIRE(std::count(dev.calls.begin(), dev.calls.end(), "paged_gather") == gathers);
       REQUIRE(dev.calls.back() == "paged_compact");
       // What the host learns from the offsets alone: compress_paged's bookkeeping.
       const cuda::PagedBookkeeping book = cuda::paged_bookkeeping(off, seq, kP);

@@ -483,6 +483,7 @@ struct PagedLayout {
   std::size_t values_at = 0, event_at = 0, total = 0;
   std::size_t event_bytes = 0;
   std::int64_t kept_capacity = 0;
+  bool evicts = false;  // false: every row keeps every token, and nothing reads the dense copy
 };
 
 template <Element T>
@@ -527,6 +528,7 @@ PagedLayout paged_layout(const Dev& dev, const Policy& policy, const PagedKVView
   lay.event_bytes = layout(dev, policy, shapes, s, 2, dev.paged_compact_bytes(keys, tables)).total;
   lay.total = lay.event_at + lay.event_bytes;
   lay.kept_capacity = kept_total(s.budgets, N);
+  lay.evicts = s.event.evicts;
   return lay;
 }
 
@@ -559,9 +561,10 @@ PolicyEvent compress_paged(const Dev& dev, void* workspace, std::size_t workspac
   using E = std::remove_const_t<T>;
   const std::int64_t L = keys.layers, H = keys.heads, N = seq.length, D = keys.dim;
   // The gathers run after the budgets' upload (the event's one synchronisation), so that it
-  // waits for earlier work on the stream only, not for this event's copies.
+  // waits for earlier work on the stream only, not for this event's copies. An event that keeps
+  // every token reads no input (its selection comes from positions), so it gathers nothing.
   const auto gather = [&] {
-    if (N == 0) return;
+    if (N == 0 || !lay.evicts) return;
     dev.paged_gather(PagedKVView<const E>(keys), device_table, N,
                      KVView<E>::hnd(reinterpret_cast<E*>(base), L, H, N, D));
     if (with_values)
