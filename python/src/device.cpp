@@ -123,8 +123,6 @@ template <class T>
 py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
               const DeviceTensor* qd, const Budget& budget, const kvpolicy::EventInfo& ev,
               bool compact, std::uintptr_t stream) {
-  const std::string why = kvpolicy::cuda::detail::unsupported_stage<T>(p);
-  if (!why.empty()) throw kvpolicy::Error(why);
   kvpolicy::KVView<T> k = view_of<T>(kd), v;
   kvpolicy::Inputs<T> in;
   in.keys = k;
@@ -133,18 +131,14 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
     in.values = v;
   }
   if (qd) in.queries = view_of<const T>(*qd);
+  // The event's host checks, as cuda::plan makes them: stages without a device path, shapes
+  // (values against keys too), budget, protection.
+  (void)kvpolicy::cuda::detail::setup_event(p, in, budget, ev);
   if (compact) {
-    kvpolicy::validate(v, "values");
-    KVP_REQUIRE(v.layers == k.layers && v.heads == k.heads && v.tokens == k.tokens &&
-                    v.dim == k.dim,
-                "values shape [", v.layers, ",", v.heads, ",", v.tokens, ",", v.dim,
-                "] does not match keys [", k.layers, ",", k.heads, ",", k.tokens, ",", k.dim, "]");
     const auto a = extent(k), b = extent(v);
     if (a.first < b.second && b.first < a.second)
       value_error("values: shares memory with keys; compacting both in place would corrupt them");
   }
-  // The event's host checks (shapes, budget, protection), as cuda::plan makes them.
-  (void)kvpolicy::cuda::detail::setup_event(p, in, budget, ev);
 #if defined(KVPOLICY_WITH_CUDA)
   kvpolicy::cuda::OwnedEvent r;
   {
