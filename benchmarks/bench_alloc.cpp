@@ -108,8 +108,8 @@ void register_scorer(const std::string& scorer) {
 }  // namespace
 
 void register_alloc() {
-  register_scorer<SnapKV, Eigen::half>("snapkv");
-  register_scorer<H2O, Eigen::half>("h2o");
+  register_scorer<SnapKV, kvpolicy::half>("snapkv");
+  register_scorer<H2O, kvpolicy::half>("h2o");
 }
 
 }  // namespace kvbench

@@ -86,7 +86,7 @@ void register_dtype() {
 }  // namespace
 
 void register_compact() {
-  register_dtype<Eigen::half>();
+  register_dtype<kvpolicy::half>();
   register_dtype<float>();
 }
 

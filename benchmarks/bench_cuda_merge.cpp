@@ -92,7 +92,7 @@ const bool registered = [] {
     const std::string key = std::string("cuda_merge/semantic:tau=") + (tau == 0.f ? "0" : "0.5") +
                             "/f16/T:" + std::to_string(kLongT);
     benchmark::RegisterBenchmark(key.c_str(), [tau](benchmark::State& st) {
-      bm_cuda_merge<Eigen::half>(st, kLongT, tau);
+      bm_cuda_merge<kvpolicy::half>(st, kLongT, tau);
     })
         ->UseManualTime()
         ->Iterations(5)

@@ -73,7 +73,7 @@ void register_dtype() {
 }  // namespace
 
 void register_h2o() {
-  register_dtype<Eigen::half>();
+  register_dtype<kvpolicy::half>();
   register_dtype<float>();
 }
 

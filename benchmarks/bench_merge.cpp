@@ -111,6 +111,6 @@ void register_dtype() {
 
 }  // namespace
 
-void register_merge() { register_dtype<Eigen::half>(); }
+void register_merge() { register_dtype<kvpolicy::half>(); }
 
 }  // namespace kvbench

@@ -151,11 +151,11 @@ void register_dtype() {
 }  // namespace
 
 void register_snapkv() {
-  register_dtype<Eigen::half>();
+  register_dtype<kvpolicy::half>();
   register_dtype<float>();
   for (std::int64_t nq : {kWindow, std::int64_t{1024}}) {
     const std::string key = "expected_vs_snapkv_score/fp16/T:8192/nq:" + std::to_string(nq);
-    benchmark::RegisterBenchmark(key.c_str(), bm_expected<Eigen::half>, 8192, nq, key)
+    benchmark::RegisterBenchmark(key.c_str(), bm_expected<kvpolicy::half>, 8192, nq, key)
         ->UseManualTime()
         ->Iterations(5)
         ->Unit(benchmark::kMillisecond);

@@ -21,12 +21,14 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "check.cuh"
+#include "kvpolicy/core/topk_key.hpp"
 #include "kvpolicy/cuda/baseline_launch.hpp"
 
 namespace kvpolicy::cuda {
 namespace {
 
 namespace bm = baseline;
+namespace rm = row_math;
 
 constexpr int kBlock = 256;
 constexpr int kWarpsPerBlock = kBlock / bm::kWarp;
@@ -93,8 +95,8 @@ __global__ void __launch_bounds__(kBlock)
   for (std::int64_t w = blockIdx.x * std::int64_t{kWarpsPerBlock} + threadIdx.x / bm::kWarp;
        w < items; w += warps) {
     const std::int64_t r = w / k.T, j = w % k.T;
-    const float s = warp_sum(bm::knorm_lane(k.row(r, j), lane, k.d));
-    if (lane == 0) out[r * out_stride + j] = bm::knorm_finish(s);
+    const float s = warp_sum(rm::knorm_lane(k.row(r, j), lane, k.d));
+    if (lane == 0) out[r * out_stride + j] = rm::knorm_finish(s);
   }
 }
 
@@ -110,7 +112,7 @@ struct KdLayout {
 KdLayout kd_layout(const TensorRef& k) {
   const auto R = static_cast<std::size_t>(k.layers * k.heads);
   const auto T = static_cast<std::size_t>(k.tokens), d = static_cast<std::size_t>(k.dim);
-  const auto C = static_cast<std::size_t>(bm::anchor_chunks(k.tokens));
+  const auto C = static_cast<std::size_t>(rm::anchor_chunks(k.tokens));
   KdLayout l;
   std::size_t at = 0;
   l.norms = at, at += align256(R * T * sizeof(double));
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(kBlock)
   const std::int64_t warps = std::int64_t{gridDim.x} * kWarpsPerBlock;
   for (std::int64_t w = blockIdx.x * std::int64_t{kWarpsPerBlock} + threadIdx.x / bm::kWarp;
        w < items; w += warps) {
-    const double s = warp_sum(bm::sumsq_lane(k.row(w / k.T, w % k.T), lane, k.d));
+    const double s = warp_sum(rm::sumsq_lane(k.row(w / k.T, w % k.T), lane, k.d));
     if (lane == 0) norms[w] = sqrt(s);
   }
 }
@@ -139,10 +141,10 @@ __global__ void kd_anchor_partial_kernel(Keys<E> k, const double* norms, double*
   const std::int64_t c = blockIdx.x, r = blockIdx.y, C = gridDim.x;
   const std::int64_t i = threadIdx.x;
   if (i >= k.d) return;
-  const std::int64_t j0 = c * bm::kAnchorChunk;
-  const std::int64_t j1 = j0 + bm::kAnchorChunk < k.T ? j0 + bm::kAnchorChunk : k.T;
+  const std::int64_t j0 = c * rm::kAnchorChunk;
+  const std::int64_t j1 = j0 + rm::kAnchorChunk < k.T ? j0 + rm::kAnchorChunk : k.T;
   double acc = 0;
-  for (std::int64_t j = j0; j < j1; ++j) acc += bm::anchor_term(k.row(r, j)(i), norms[r * k.T + j]);
+  for (std::int64_t j = j0; j < j1; ++j) acc += rm::anchor_term(k.row(r, j)(i), norms[r * k.T + j]);
   partial[(r * C + c) * k.d + i] = acc;
 }
 
@@ -171,10 +173,10 @@ __global__ void __launch_bounds__(kBlock)
   for (std::int64_t w = blockIdx.x * std::int64_t{kWarpsPerBlock} + threadIdx.x / bm::kWarp;
        w < items; w += warps) {
     const std::int64_t r = w / k.T, j = w % k.T;
-    const double dot = warp_sum(bm::anchor_dot_lane(k.row(r, j), anchor + r * k.d, lane, k.d));
+    const double dot = warp_sum(rm::anchor_dot_lane(k.row(r, j), anchor + r * k.d, lane, k.d));
     if (lane == 0)
       out[r * out_stride + j] =
-          bm::keydiff_score(static_cast<float>(norms[w]), dot, anorm[r]);
+          rm::keydiff_score(static_cast<float>(norms[w]), dot, anorm[r]);
   }
 }
 
@@ -186,7 +188,7 @@ __global__ void tova_kernel(const float* attn, std::int64_t L, std::int64_t H, s
   for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
        e += std::int64_t{gridDim.x} * blockDim.x) {
     const std::int64_t l = e / T, j = e % T;
-    const float v = bm::tova_at(attn + l * H * T + j, H, T);
+    const float v = rm::tova_at(attn + l * H * T + j, H, T);
     for (std::int64_t h = 0; h < H; ++h) out[(l * H + h) * out_stride + j] = v;
   }
 }
@@ -196,7 +198,7 @@ __global__ void streaming_kernel(std::int64_t rows, std::int64_t T, float* out,
   const std::int64_t n = rows * T;
   for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
        e += std::int64_t{gridDim.x} * blockDim.x)
-    out[(e / T) * out_stride + e % T] = bm::streaming_at(e % T);
+    out[(e / T) * out_stride + e % T] = rm::streaming_at(e % T);
 }
 
 // ---- Ada-KV ---------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ Status ada_plan(std::int64_t L, std::int64_t H, std::int64_t T, std::int64_t sin
   if (L < 0 || H < 0 || T < 0) return detail::invalid("negative score shape");
   if (H > adakv_max_heads) return detail::invalid("more heads per layer than adakv_max_heads");
   if (T > INT_MAX) return detail::invalid("tokens exceed the int32 index range");
-  const std::int64_t R = L * H, N = bm::ada_span(sinks, recent, T).scored();
+  const std::int64_t R = L * H, N = rm::ada_span(sinks, recent, T).scored();
   if (N > 0 && R > std::int64_t{INT_MAX} / N)
     return detail::invalid("rows * scored tokens exceeds the int range of CUB's item count");
   const int items = static_cast<int>(R * N);
@@ -259,14 +261,14 @@ __global__ void __launch_bounds__(kAdaThreads)
   std::int64_t* keep = ada_sh;        // [H]
   std::int64_t* gt = ada_sh + H;      // [H]: first B_h, then pool entries > t*
   std::int64_t* eq = ada_sh + 2 * H;  // [H]: pool entries == t*
-  __shared__ unsigned long long count[bm::kDigits];
+  __shared__ unsigned long long count[rm::kDigits];
   __shared__ std::int64_t free_s;
   __shared__ std::uint64_t prefix_s;
   const std::int64_t l = blockIdx.x;
   const std::uint64_t* rows = sorted + l * H * N;
   for (std::int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-    const std::int64_t b = bm::ada_clamp(budgets[l * H + h], P, T);
-    keep[h] = bm::ada_keep(b, P, alpha);
+    const std::int64_t b = rm::ada_clamp(budgets[l * H + h], P, T);
+    keep[h] = rm::ada_keep(b, P, alpha);
     gt[h] = b;
   }
   __syncthreads();
@@ -279,33 +281,33 @@ __global__ void __launch_bounds__(kAdaThreads)
   __syncthreads();
   const std::int64_t free = free_s;
   if (free > 0) {
-    const int d = threadIdx.x % bm::kDigits;
-    const int group = threadIdx.x / bm::kDigits, groups = blockDim.x / bm::kDigits;
-    for (int r = 0; r < bm::kRounds; ++r) {
-      if (threadIdx.x < bm::kDigits) count[threadIdx.x] = 0;
+    const int d = threadIdx.x % rm::kDigits;
+    const int group = threadIdx.x / rm::kDigits, groups = blockDim.x / rm::kDigits;
+    for (int r = 0; r < rm::kRounds; ++r) {
+      if (threadIdx.x < rm::kDigits) count[threadIdx.x] = 0;
       __syncthreads();
-      const std::uint64_t t = bm::candidate(prefix_s, r, d);
+      const std::uint64_t t = rm::candidate(prefix_s, r, d);
       std::int64_t c = 0;
       for (std::int64_t h = group; h < H; h += groups)
-        c += bm::pool_ge(rows + h * N, N, keep[h] - P, t);
+        c += rm::pool_ge(rows + h * N, N, keep[h] - P, t);
       atomicAdd(&count[d], static_cast<unsigned long long>(c));
       __syncthreads();
-      if (threadIdx.x < bm::kDigits && bm::digit_wins(count, d, free))
-        prefix_s = bm::candidate(prefix_s, r, d);
+      if (threadIdx.x < rm::kDigits && rm::digit_wins(count, d, free))
+        prefix_s = rm::candidate(prefix_s, r, d);
       __syncthreads();
     }
     const std::uint64_t ts = prefix_s;
     for (std::int64_t h = threadIdx.x; h < H; h += blockDim.x) {
       const std::int64_t g = keep[h] - P;
-      const std::int64_t above = bm::pool_ge(rows + h * N, N, g, ts + 1);
-      eq[h] = bm::pool_ge(rows + h * N, N, g, ts) - above;
+      const std::int64_t above = rm::pool_ge(rows + h * N, N, g, ts + 1);
+      eq[h] = rm::pool_ge(rows + h * N, N, g, ts) - above;
       gt[h] = above;
     }
   } else {
     for (std::int64_t h = threadIdx.x; h < H; h += blockDim.x) gt[h] = eq[h] = 0;
   }
   __syncthreads();
-  if (threadIdx.x == 0) bm::ada_assign(keep, gt, eq, H, free, out + l * H);
+  if (threadIdx.x == 0) rm::ada_assign(keep, gt, eq, H, free, out + l * H);
 }
 
 }  // namespace
@@ -349,7 +351,7 @@ Status keydiff_typed(cudaStream_t st, const TensorRef& kv, unsigned char* ws,
                      const KdLayout& lay, const MutableScoreView& out) {
   const Keys<E> k = keys_of<E>(kv);
   const std::int64_t R = kv.layers * kv.heads, items = R * kv.tokens;
-  const std::int64_t C = bm::anchor_chunks(kv.tokens);
+  const std::int64_t C = rm::anchor_chunks(kv.tokens);
   auto* norms = reinterpret_cast<double*>(ws + lay.norms);
   auto* partial = reinterpret_cast<double*>(ws + lay.partial);
   auto* anchor = reinterpret_cast<double*>(ws + lay.anchor);
@@ -479,7 +481,7 @@ Status adakv_budgets(const cuda_backend& be, const ScoreView& scores, const std:
                                  cudaMemcpyHostToDevice, st));
     budgets = ws_budgets;
   }
-  const bm::AdaSpan span = bm::ada_span(sinks, recent, T);
+  const rm::AdaSpan span = rm::ada_span(sinks, recent, T);
   const std::uint64_t* sorted = keys_a;
   if (lay.N > 0) {
     const std::int64_t items = R * lay.N;

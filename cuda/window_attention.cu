@@ -31,6 +31,7 @@
 namespace kvpolicy::cuda {
 namespace {
 
+namespace rm = row_math;
 using scoring::RowStat;
 
 constexpr int kRows = scoring::kPass1Rows;  // pass 1: threads = rows per block
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kPass2Keys)
   }
   if (!valid) return;
   float v = scoring::gqa_finish(red, static_cast<int>(s.g), reduce);
-  if (h2o_normalize) v /= scoring::h2o_seen(j, s.nq, s.T);
+  if (h2o_normalize) v /= rm::h2o_seen(j, s.nq, s.T);
   out[item * out_stride + j] = v;
 }
 
@@ -235,7 +236,7 @@ __global__ void snapkv_pool_kernel(const float* colsum, std::int64_t rows, std::
   for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
        e += std::int64_t{gridDim.x} * blockDim.x) {
     const std::int64_t r = e / T, j = e % T;
-    out[r * out_stride + j] = scoring::snapkv_at(colsum + r * T, T, w, j, kernel, pool);
+    out[r * out_stride + j] = rm::snapkv_at(colsum + r * T, T, w, j, kernel, pool);
   }
 }
 
@@ -248,7 +249,7 @@ __global__ void h2o_state_kernel(const float* acc, const float* obs, std::int64_
   for (std::int64_t e = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; e < n;
        e += std::int64_t{gridDim.x} * blockDim.x) {
     const std::int64_t r = e / T, j = e % T, at = r * state_stride + j;
-    out[r * out_stride + j] = scoring::h2o_from_state(acc[at], obs ? obs + at : nullptr, normalize);
+    out[r * out_stride + j] = rm::h2o_from_state(acc[at], obs ? obs + at : nullptr, normalize);
   }
 }
 

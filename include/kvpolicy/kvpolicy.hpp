@@ -14,7 +14,6 @@
 #include "kvpolicy/core/selection.hpp"
 #include "kvpolicy/cpu/attention.hpp"
 #include "kvpolicy/cpu/compact.hpp"
-#include "kvpolicy/cpu/pooling.hpp"
 #include "kvpolicy/cpu/select.hpp"
 #include "kvpolicy/cpu/window_attention.hpp"
 #include "kvpolicy/ops.hpp"

@@ -333,7 +333,7 @@ std::vector<T> elements(NpyArray& a) {
     return std::move(a.f32);
   } else {
     std::vector<T> v(a.f16.size());
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = Eigen::numext::bit_cast<T>(a.f16[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = T::from_bits(a.f16[i]);
     a.f16 = {};
     return v;
   }

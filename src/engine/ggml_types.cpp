@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstring>
 
+#include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/error.hpp"
 
 namespace kvpolicy::engine {
@@ -39,7 +40,7 @@ inline std::uint32_t le32(const std::uint8_t* p) {
   return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
          (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
 }
-inline float f16(const std::uint8_t* p) { return half_to_float(le16(p)); }
+inline float f16(const std::uint8_t* p) { return kvpolicy::half_bits_to_float(le16(p)); }
 
 // One block each: b points at block_bytes bytes, y receives `block` floats.
 void dq_q4_0(const std::uint8_t* b, float* y) {
@@ -236,28 +237,6 @@ std::string ggml_type_name(std::uint32_t id) {
   return "type " + std::to_string(id);
 }
 
-float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  std::uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal half: value = man * 2^-24, normal in fp32
-    const int lz = std::countl_zero(static_cast<std::uint32_t>(man)) - 21;  // zeros within 10 bits
-    const std::uint32_t m = (man << lz) & 0x3FFu;
-    bits = sign | (static_cast<std::uint32_t>(113 - lz) << 23) | (m << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
-float bf16_to_float(std::uint16_t b) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
-}
-
 void dequantize(std::uint32_t type, std::span<const std::uint8_t> src, std::span<float> dst) {
   const auto info = ggml_type_info(type);
   KVP_REQUIRE(info.has_value(), "dequantize: unknown ggml type id ", type);
@@ -276,10 +255,10 @@ void dequantize(std::uint32_t type, std::span<const std::uint8_t> src, std::span
       if (!dst.empty()) std::memcpy(y, s, dst.size() * 4);
       return;
     case ggml_type::F16:
-      for (std::size_t i = 0; i < dst.size(); ++i) y[i] = half_to_float(le16(s + 2 * i));
+      for (std::size_t i = 0; i < dst.size(); ++i) y[i] = kvpolicy::half_bits_to_float(le16(s + 2 * i));
       return;
     case ggml_type::BF16:
-      for (std::size_t i = 0; i < dst.size(); ++i) y[i] = bf16_to_float(le16(s + 2 * i));
+      for (std::size_t i = 0; i < dst.size(); ++i) y[i] = kvpolicy::bfloat16_bits_to_float(le16(s + 2 * i));
       return;
     default:
       break;

@@ -30,10 +30,6 @@ inline constexpr std::uint32_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q
                                Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30;
 }
 
-// IEEE half / bfloat16 bit patterns to float (exact; subnormals, inf and NaN preserved).
-float half_to_float(std::uint16_t h);
-float bf16_to_float(std::uint16_t b);
-
 // Dequantizes `src` (whole blocks of `type`) into `dst`; dst.size() must be a multiple of the
 // block size and src.size() exactly the matching byte count. Throws kvpolicy::Error otherwise,
 // or when the type is unknown or not supported for dequantization.

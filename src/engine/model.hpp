@@ -3,7 +3,7 @@
 // without an fp32 copy), norms in fp32. Immutable after load, so many Engines (sequences) can
 // share one Model.
 #pragma once
-#include "kvpolicy/core/eigen.hpp"
+#include "kvpolicy/cpu/eigen.hpp"
 #include <cstdint>
 #include <memory>
 #include <string>

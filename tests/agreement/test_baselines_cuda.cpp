@@ -17,7 +17,12 @@
 #include <kvpolicy/allocators/adakv.hpp>
 #include <kvpolicy/allocators/pyramid.hpp>
 #include <kvpolicy/cpu/select.hpp>
+#include <kvpolicy/allocators/adakv_row.hpp>
 #include <kvpolicy/cuda/baseline_math.hpp>
+#include <kvpolicy/scorers/keydiff_row.hpp>
+#include <kvpolicy/scorers/knorm_row.hpp>
+#include <kvpolicy/scorers/streaming_row.hpp>
+#include <kvpolicy/scorers/tova_row.hpp>
 #include <kvpolicy/scorers/keydiff.hpp>
 #include <kvpolicy/scorers/knorm.hpp>
 #include <kvpolicy/scorers/streaming.hpp>
@@ -38,6 +43,7 @@ namespace kvt_agreement_baselines_cuda {
 
 using namespace kvpolicy;
 namespace bm = kvpolicy::cuda::baseline;
+namespace rm = kvpolicy::row_math;
 
 namespace {
 
@@ -135,15 +141,15 @@ ScoreMap emulate_knorm(const KVView<const T>& k) {
     for (std::int64_t h = 0; h < k.heads; ++h)
       for (std::int64_t j = 0; j < k.tokens; ++j) {
         const auto get = key_row(k, l, h, j);
-        out.row(l, h)[j] = bm::knorm_finish(
-            warp_emulate<float>([&](int lane) { return bm::knorm_lane(get, lane, k.dim); }));
+        out.row(l, h)[j] = rm::knorm_finish(
+            warp_emulate<float>([&](int lane) { return rm::knorm_lane(get, lane, k.dim); }));
       }
   return out;
 }
 
 template <class T>
 ScoreMap emulate_keydiff(const KVView<const T>& k) {
-  const std::int64_t T_ = k.tokens, d = k.dim, C = bm::anchor_chunks(T_);
+  const std::int64_t T_ = k.tokens, d = k.dim, C = rm::anchor_chunks(T_);
   ScoreMap out(k.layers, k.heads, T_);
   for (std::int64_t l = 0; l < k.layers; ++l)
     for (std::int64_t h = 0; h < k.heads; ++h) {
@@ -151,14 +157,14 @@ ScoreMap emulate_keydiff(const KVView<const T>& k) {
       for (std::int64_t j = 0; j < T_; ++j) {  // kernel 1: one warp per token
         const auto get = key_row(k, l, h, j);
         norms[j] = std::sqrt(
-            warp_emulate<double>([&](int lane) { return bm::sumsq_lane(get, lane, d); }));
+            warp_emulate<double>([&](int lane) { return rm::sumsq_lane(get, lane, d); }));
       }
       std::vector<double> partial(static_cast<std::size_t>(C * d));
       for (std::int64_t c = 0; c < C; ++c)  // kernel 2: one block per chunk, thread per dim
         for (std::int64_t i = 0; i < d; ++i) {
           double acc = 0;
-          for (std::int64_t j = c * bm::kAnchorChunk; j < std::min(T_, (c + 1) * bm::kAnchorChunk); ++j)
-            acc += bm::anchor_term(to_float(k.at(l, h, j, i)), norms[j]);
+          for (std::int64_t j = c * rm::kAnchorChunk; j < std::min(T_, (c + 1) * rm::kAnchorChunk); ++j)
+            acc += rm::anchor_term(to_float(k.at(l, h, j, i)), norms[j]);
           partial[c * d + i] = acc;
         }
       double an2 = 0;  // kernel 3
@@ -172,8 +178,8 @@ ScoreMap emulate_keydiff(const KVView<const T>& k) {
       for (std::int64_t j = 0; j < T_; ++j) {  // kernel 4
         const auto get = key_row(k, l, h, j);
         const double dot = warp_emulate<double>(
-            [&](int lane) { return bm::anchor_dot_lane(get, anchor.data(), lane, d); });
-        out.row(l, h)[j] = bm::keydiff_score(static_cast<float>(norms[j]), dot, an);
+            [&](int lane) { return rm::anchor_dot_lane(get, anchor.data(), lane, d); });
+        out.row(l, h)[j] = rm::keydiff_score(static_cast<float>(norms[j]), dot, an);
       }
     }
   return out;
@@ -186,7 +192,7 @@ ScoreMap emulate_tova(const ScoreMap& attn) {
   ScoreMap out(L, H, T_);
   for (std::int64_t l = 0; l < L; ++l)
     for (std::int64_t j = 0; j < T_; ++j) {
-      const float v = bm::tova_at(attn.data() + l * H * T_ + j, H, T_);
+      const float v = rm::tova_at(attn.data() + l * H * T_ + j, H, T_);
       for (std::int64_t h = 0; h < H; ++h) out.row(l, h)[j] = v;
     }
   return out;
@@ -252,7 +258,7 @@ std::vector<std::int64_t> cpu_adakv(const AdaCase& c, bool pyramid_first = false
 
 // Host emulation of cuda::adakv_budgets: keys, per-row descending sort, the budget kernel.
 std::vector<std::int64_t> emulate_adakv(const AdaCase& c) {
-  const bm::AdaSpan span = bm::ada_span(c.protect.sinks, c.protect.recent, c.T);
+  const rm::AdaSpan span = rm::ada_span(c.protect.sinks, c.protect.recent, c.T);
   const std::int64_t N = span.scored(), P = span.protected_count(c.T), H = c.H;
   std::vector<std::uint64_t> keys(static_cast<std::size_t>(c.L * H * N));
   for (std::int64_t r = 0; r < c.L * H; ++r) {
@@ -268,31 +274,31 @@ std::vector<std::int64_t> emulate_adakv(const AdaCase& c) {
     std::vector<std::int64_t> keep(H), gt(H), eq(H);
     std::int64_t free = 0;
     for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t b = bm::ada_clamp(c.budgets[l * H + h], P, c.T);
-      keep[h] = bm::ada_keep(b, P, c.alpha);
+      const std::int64_t b = rm::ada_clamp(c.budgets[l * H + h], P, c.T);
+      keep[h] = rm::ada_keep(b, P, c.alpha);
       free += b - keep[h];
     }
     if (free > 0) {
       std::uint64_t prefix = 0;
-      for (int r = 0; r < bm::kRounds; ++r) {
-        std::vector<std::int64_t> count(bm::kDigits, 0);
-        for (int d = 0; d < bm::kDigits; ++d)
+      for (int r = 0; r < rm::kRounds; ++r) {
+        std::vector<std::int64_t> count(rm::kDigits, 0);
+        for (int d = 0; d < rm::kDigits; ++d)
           for (std::int64_t h = 0; h < H; ++h)
-            count[d] += bm::pool_ge(rows + h * N, N, keep[h] - P, bm::candidate(prefix, r, d));
+            count[d] += rm::pool_ge(rows + h * N, N, keep[h] - P, rm::candidate(prefix, r, d));
         int wins = 0, digit = -1;
-        for (int d = 0; d < bm::kDigits; ++d)
-          if (bm::digit_wins(count.data(), d, free)) ++wins, digit = d;
+        for (int d = 0; d < rm::kDigits; ++d)
+          if (rm::digit_wins(count.data(), d, free)) ++wins, digit = d;
         REQUIRE(wins == 1);  // exactly one thread writes the prefix
-        prefix = bm::candidate(prefix, r, digit);
+        prefix = rm::candidate(prefix, r, digit);
       }
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t g = keep[h] - P;
-        gt[h] = bm::pool_ge(rows + h * N, N, g, prefix + 1);
-        eq[h] = bm::pool_ge(rows + h * N, N, g, prefix) - gt[h];
+        gt[h] = rm::pool_ge(rows + h * N, N, g, prefix + 1);
+        eq[h] = rm::pool_ge(rows + h * N, N, g, prefix) - gt[h];
         REQUIRE((eq[h] == 0 || eq[h] == 1));
       }
     }
-    bm::ada_assign(keep.data(), gt.data(), eq.data(), H, free, out.data() + l * H);
+    rm::ada_assign(keep.data(), gt.data(), eq.data(), H, free, out.data() + l * H);
   }
   return out;
 }
@@ -379,31 +385,31 @@ TEMPLATE_TEST_CASE("emulated CUDA TOVA and StreamingLLM equal the CPU scorers", 
     const ScoreMap sw = cpu_score(Streaming{}, in);
     for (std::int64_t l = 0; l < c.L; ++l)
       for (std::int64_t h = 0; h < c.Hkv; ++h)
-        for (std::int64_t j = 0; j < c.T; ++j) REQUIRE(bm::streaming_at(j) == sw.row(l, h)[j]);
+        for (std::int64_t j = 0; j < c.T; ++j) REQUIRE(rm::streaming_at(j) == sw.row(l, h)[j]);
   }
 }
 
 TEST_CASE("Ada-KV helpers follow AdaKV's safeguard and protection rules", "[agreement]") {
   for (double alpha : {0.0, 0.2, 0.37, 1.0})
     for (std::int64_t P : {0, 1, 5})
-      for (std::int64_t b = P; b <= 40; ++b) CHECK(bm::ada_keep(b, P, alpha) == AdaKV{alpha}.safeguard(b, P));
+      for (std::int64_t b = P; b <= 40; ++b) CHECK(rm::ada_keep(b, P, alpha) == AdaKV{alpha}.safeguard(b, P));
   for (std::int64_t T : {0, 1, 7, 20})
     for (std::int64_t s : {0, 3, 25})
       for (std::int64_t r : {0, 2, 30}) {
-        const bm::AdaSpan a = bm::ada_span(s, r, T);
+        const rm::AdaSpan a = rm::ada_span(s, r, T);
         const std::int64_t sinks = std::min(s, T), rb = std::max(sinks, T - r);
         CHECK(a.sinks == sinks);
         CHECK(a.recent_begin == rb);
         CHECK(a.protected_count(T) == Protect{s, r}.total(T));
       }
   const std::uint64_t row[] = {9, 7, 7, 4, 1};
-  CHECK(bm::count_ge(row, 5, 10) == 0);
-  CHECK(bm::count_ge(row, 5, 7) == 3);
-  CHECK(bm::count_ge(row, 5, 0) == 5);
-  CHECK(bm::pool_ge(row, 5, 2, 7) == 1);
-  CHECK(bm::pool_ge(row, 5, 4, 7) == 0);
-  CHECK(bm::ada_clamp(2, 3, 9) == 3);
-  CHECK(bm::ada_clamp(12, 3, 9) == 9);
+  CHECK(rm::count_ge(row, 5, 10) == 0);
+  CHECK(rm::count_ge(row, 5, 7) == 3);
+  CHECK(rm::count_ge(row, 5, 0) == 5);
+  CHECK(rm::pool_ge(row, 5, 2, 7) == 1);
+  CHECK(rm::pool_ge(row, 5, 4, 7) == 0);
+  CHECK(rm::ada_clamp(2, 3, 9) == 3);
+  CHECK(rm::ada_clamp(12, 3, 9) == 9);
 }
 
 TEST_CASE("emulated CUDA Ada-KV budgets equal AdaKV::allocate exactly", "[agreement]") {

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include <kvpolicy/cuda/score_math.hpp>
+#include <kvpolicy/scorers/h2o_row.hpp>
+#include <kvpolicy/scorers/snapkv_row.hpp>
 #include <kvpolicy/ops.hpp>
 #include <kvpolicy/scorers/h2o.hpp>
 #include <kvpolicy/scorers/snapkv.hpp>
@@ -32,6 +34,7 @@ namespace kvt_agreement_window_attention {
 
 using namespace kvpolicy;
 namespace sm = kvpolicy::cuda::scoring;
+namespace rm = kvpolicy::row_math;
 
 namespace {
 
@@ -184,7 +187,7 @@ ScoreMap emulate_colsums(const KVView<const T>& k, const KVView<const T>& q, std
           red = sm::gqa_fold(red, acc, m, r);
         }
         float v = sm::gqa_finish(red, static_cast<int>(g), r);
-        if (h2o_normalize) v /= sm::h2o_seen(j, nq, T_);
+        if (h2o_normalize) v /= rm::h2o_seen(j, nq, T_);
         out.row(l, h)[j] = v;
       }
   return out;
@@ -198,7 +201,7 @@ ScoreMap emulate_snapkv(const SnapKV& s, const KVView<const T>& k, const KVView<
   for (std::int64_t l = 0; l < k.layers; ++l)
     for (std::int64_t h = 0; h < k.heads; ++h)
       for (std::int64_t j = 0; j < T_; ++j)
-        out.row(l, h)[j] = sm::snapkv_at(col.row(l, h).data(), T_, w, j, s.kernel,
+        out.row(l, h)[j] = rm::snapkv_at(col.row(l, h).data(), T_, w, j, s.kernel,
                                          static_cast<Pool>(s.pool));
   return out;
 }
@@ -273,8 +276,8 @@ TEST_CASE("masking, split and normalisation helpers follow the CPU reference's r
         }
         CHECK(sm::first_query_seeing(j, nq, T) == first);
         // H2O::score: seen = T - max(j, T - nq).
-        CHECK(sm::h2o_seen(j, nq, T) == static_cast<float>(seen));
-        CHECK(sm::h2o_seen(j, nq, T) == static_cast<float>(T - std::max(j, T - nq)));
+        CHECK(rm::h2o_seen(j, nq, T) == static_cast<float>(seen));
+        CHECK(rm::h2o_seen(j, nq, T) == static_cast<float>(T - std::max(j, T - nq)));
       }
     }
   }
@@ -290,16 +293,16 @@ TEST_CASE("masking, split and normalisation helpers follow the CPU reference's r
   CHECK(sm::pass1_splits(8, 4, 32, 32768) == 64);  // SnapKV at the issue's shape: 512 blocks
 }
 
-TEST_CASE("pooling of one output element equals cpu::pool1d", "[agreement]") {
+TEST_CASE("pooling of one output element equals row_math::pool1d", "[agreement]") {
   kvtest::Rng rng(9);
   for (std::int64_t n : {1, 2, 5, 33, 200}) {
     std::vector<float> in(static_cast<std::size_t>(n)), want(in.size());
     for (auto& v : in) v = static_cast<float>(rng.uniform(0, 1));
     for (int kernel : {1, 3, 5, 7, 9}) {
       for (Pool p : {Pool::avg, Pool::max}) {
-        cpu::pool1d(in.data(), want.data(), n, kernel, p);
+        row_math::pool1d(in.data(), want.data(), n, kernel, p);
         for (std::int64_t j = 0; j < n; ++j) {
-          const float got = sm::pool_at(in.data(), n, j, kernel, static_cast<Pool>(p));
+          const float got = rm::pool_at(in.data(), n, j, kernel, static_cast<Pool>(p));
           if (p == Pool::max) CHECK(got == want[static_cast<std::size_t>(j)]);
           else CHECK(std::abs(got - want[static_cast<std::size_t>(j)]) <=
                      1e-6f * std::abs(want[static_cast<std::size_t>(j)]));
@@ -308,10 +311,10 @@ TEST_CASE("pooling of one output element equals cpu::pool1d", "[agreement]") {
     }
   }
   const float col[4] = {1, 2, 3, 4};
-  CHECK(sm::snapkv_at(col, 4, 2, 2, 3, Pool::avg) == FLT_MAX);
-  CHECK(sm::snapkv_at(col, 4, 2, 3, 3, Pool::avg) == FLT_MAX);
-  CHECK(sm::snapkv_at(col, 4, 2, 0, 3, Pool::avg) == Approx(1.0f));  // (0 + 1 + 2) / 3
-  CHECK(sm::snapkv_at(col, 4, 2, 1, 3, Pool::max) == 2.0f);          // max(1, 2)
+  CHECK(rm::snapkv_at(col, 4, 2, 2, 3, Pool::avg) == FLT_MAX);
+  CHECK(rm::snapkv_at(col, 4, 2, 3, 3, Pool::avg) == FLT_MAX);
+  CHECK(rm::snapkv_at(col, 4, 2, 0, 3, Pool::avg) == Approx(1.0f));  // (0 + 1 + 2) / 3
+  CHECK(rm::snapkv_at(col, 4, 2, 1, 3, Pool::max) == 2.0f);          // max(1, 2)
 }
 
 // ---- host emulation of the kernels vs the references ----------------------------------------
@@ -427,7 +430,7 @@ TEST_CASE("H2O scores from given state, per element, equal H2O::score", "[agreem
       for (std::int64_t r = 0; r < st.L * st.H; ++r)
         for (std::int64_t j = 0; j < st.T; ++j) {
           const std::size_t at = static_cast<std::size_t>(r * st.stride + j);
-          const float got = sm::h2o_from_state(st.acc[at], with_obs ? &st.obs[at] : nullptr,
+          const float got = rm::h2o_from_state(st.acc[at], with_obs ? &st.obs[at] : nullptr,
                                                normalize);
           REQUIRE(got == want.data()[r * st.T + j]);
           zeros += normalize && st.obs[at] == 0;

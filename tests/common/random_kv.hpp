@@ -2,7 +2,7 @@
 // layout, from explicit values or a seeded portable generator.
 //
 //   kvtest::Rng rng(42);
-//   auto k = kvtest::random_tensor<Eigen::half>(rng, L, Hkv, T, d);  // HND, values in [-1, 1)
+//   auto k = kvtest::random_tensor<kvpolicy::half>(rng, L, Hkv, T, d);  // HND, values in [-1, 1)
 //   auto q = kvtest::make_tensor<float>(1, 1, 2, 2, {0, 1, 2, 3}, kvpolicy::Layout::NHD);
 //   in.keys = k.view();          // KVView<const T> over k.buf, laid out as requested
 //   double x = k.ref.at(l, h, t, i);  // the same value after rounding to T, for naive references

@@ -29,27 +29,6 @@ void put16(std::vector<std::uint8_t>& b, std::uint16_t v) {
 constexpr std::uint16_t kHalf = 0x3800, kMinusOne = 0xBC00, kTwo = 0x4000, kQuarter = 0x3400;
 }  // namespace
 
-TEST_CASE("ggml: half and bfloat16 conversion", "[engine][quant]") {
-  CHECK(eng::half_to_float(0x3C00) == 1.0f);
-  CHECK(eng::half_to_float(0xC000) == -2.0f);
-  CHECK(eng::half_to_float(0x7BFF) == 65504.0f);
-  CHECK(eng::half_to_float(0x0001) == std::ldexp(1.0f, -24));  // smallest subnormal
-  CHECK(eng::half_to_float(0x03FF) == std::ldexp(1023.0f, -24));
-  CHECK(eng::half_to_float(0x0400) == std::ldexp(1.0f, -14));  // smallest normal
-  CHECK(std::signbit(eng::half_to_float(0x8000)));
-  CHECK(std::isinf(eng::half_to_float(0x7C00)));
-  CHECK(std::isnan(eng::half_to_float(0x7E00)));
-  // Every half value round-trips through float exactly (checked against the arithmetic value).
-  for (std::uint32_t h = 0; h < 0x7C00; ++h) {
-    const std::uint32_t e = h >> 10, m = h & 0x3FF;
-    const float expect = e ? std::ldexp(static_cast<float>(1024 + m), static_cast<int>(e) - 25)
-                           : std::ldexp(static_cast<float>(m), -24);
-    if (eng::half_to_float(static_cast<std::uint16_t>(h)) != expect) FAIL("half " << h);
-  }
-  CHECK(eng::bf16_to_float(0x3F80) == 1.0f);
-  CHECK(eng::bf16_to_float(0xC049) == -3.140625f);
-}
-
 TEST_CASE("ggml: hand-built Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks", "[engine][quant]") {
   // Q4_0: x = (nibble - 8) * d; low nibbles are elements 0..15, high nibbles 16..31.
   std::vector<std::uint8_t> q40;

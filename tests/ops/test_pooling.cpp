@@ -1,10 +1,10 @@
-// cpu::pool1d (SnapKV smoothing) against hand-computed values.
+// row_math::pool1d (SnapKV smoothing) against hand-computed values.
 #include <catch2/catch.hpp>
 
 #include <limits>
 #include <vector>
 
-#include <kvpolicy/cpu/pooling.hpp>
+#include <kvpolicy/scorers/snapkv_row.hpp>
 
 // Each test file has its own namespace, so that the unity build (tests/CMakeLists.txt) can
 // compile several files as one translation unit.
@@ -16,7 +16,7 @@ using Catch::Matchers::Contains;
 namespace {
 std::vector<float> pool(const std::vector<float>& in, int kernel, Pool p) {
   std::vector<float> out(in.size(), -12345.f);
-  kvpolicy::cpu::pool1d(in.data(), out.data(), static_cast<std::int64_t>(in.size()), kernel, p);
+  kvpolicy::row_math::pool1d(in.data(), out.data(), static_cast<std::int64_t>(in.size()), kernel, p);
   return out;
 }
 void check_close(const std::vector<float>& got, const std::vector<double>& want) {
@@ -61,13 +61,13 @@ TEST_CASE("avg pooling stays exact over a long row (no running-sum drift)", "[op
 
 TEST_CASE("pooling rejects even or non-positive kernels and aliasing", "[ops]") {
   std::vector<float> x(4, 1.f), y(4);
-  CHECK_THROWS_WITH(kvpolicy::cpu::pool1d(x.data(), y.data(), 4, 4, Pool::avg),
+  CHECK_THROWS_WITH(kvpolicy::row_math::pool1d(x.data(), y.data(), 4, 4, Pool::avg),
                     Contains("pooling kernel 4 must be odd and positive"));
-  CHECK_THROWS_WITH(kvpolicy::cpu::pool1d(x.data(), y.data(), 4, 0, Pool::max),
+  CHECK_THROWS_WITH(kvpolicy::row_math::pool1d(x.data(), y.data(), 4, 0, Pool::max),
                     Contains("pooling kernel 0"));
-  CHECK_THROWS_WITH(kvpolicy::cpu::pool1d(x.data(), y.data(), 4, -3, Pool::max),
+  CHECK_THROWS_WITH(kvpolicy::row_math::pool1d(x.data(), y.data(), 4, -3, Pool::max),
                     Contains("pooling kernel -3"));
-  CHECK_THROWS_WITH(kvpolicy::cpu::pool1d(x.data(), x.data(), 4, 3, Pool::avg),
+  CHECK_THROWS_WITH(kvpolicy::row_math::pool1d(x.data(), x.data(), 4, 3, Pool::avg),
                     Contains("must not alias"));
 }
 

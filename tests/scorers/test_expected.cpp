@@ -139,7 +139,7 @@ TEST_CASE("expected: hand-computed softmax of the rotated mean query", "[scorers
 }
 
 TEMPLATE_TEST_CASE("expected matches the naive reference (absolute positions, full matrices)",
-                   "[scorers][expected]", float, Eigen::half, Eigen::bfloat16) {
+                   "[scorers][expected]", float, kvpolicy::half, kvpolicy::bfloat16) {
   kvtest::Rng rng(0xe7);
   naive::Tally tally;
   struct Sh {

@@ -144,8 +144,8 @@ TEST_CASE("h2o: given accumulators and observation counts", "[scorers][h2o]") {
                       Catch::Contains("accumulated attention"));
 }
 
-TEMPLATE_TEST_CASE("h2o matches the naive reference", "[scorers][h2o]", float, Eigen::half,
-                   Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("h2o matches the naive reference", "[scorers][h2o]", float, kvpolicy::half,
+                   kvpolicy::bfloat16) {
   kvtest::Rng rng(0x4820);
   naive::Tally tally;
   const GqaReduce reduces[] = {GqaReduce::mean, GqaReduce::max, GqaReduce::sum};

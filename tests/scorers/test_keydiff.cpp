@@ -28,8 +28,8 @@ TEST_CASE("keydiff: hand-computed cosines and ties", "[scorers][keydiff]") {
   CHECK(kept(5) == std::vector<std::int32_t>{1, 2, 3, 4, 5});
 }
 
-TEMPLATE_TEST_CASE("keydiff matches the naive reference", "[scorers][keydiff]", float, Eigen::half,
-                   Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("keydiff matches the naive reference", "[scorers][keydiff]", float, kvpolicy::half,
+                   kvpolicy::bfloat16) {
   kvtest::Rng rng(0x6b);
   naive::Tally tally;
   for (std::size_t si = 0; si < std::size(naive::kShapes); ++si) {

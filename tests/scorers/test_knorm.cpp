@@ -27,8 +27,8 @@ TEST_CASE("knorm: hand-computed norms and ties", "[scorers][knorm]") {
   CHECK(kept(0).empty());
 }
 
-TEMPLATE_TEST_CASE("knorm matches the naive reference", "[scorers][knorm]", float, Eigen::half,
-                   Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("knorm matches the naive reference", "[scorers][knorm]", float, kvpolicy::half,
+                   kvpolicy::bfloat16) {
   kvtest::Rng rng(0x6e);
   naive::Tally tally;
   for (std::size_t si = 0; si < std::size(naive::kShapes); ++si) {

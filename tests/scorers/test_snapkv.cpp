@@ -154,8 +154,8 @@ TEST_CASE("snapkv: presets, and Pipeline vs Policy", "[scorers][snapkv]") {
   naive::require_few_near_ties(tally);
 }
 
-TEMPLATE_TEST_CASE("snapkv matches the naive reference", "[scorers][snapkv]", float, Eigen::half,
-                   Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("snapkv matches the naive reference", "[scorers][snapkv]", float, kvpolicy::half,
+                   kvpolicy::bfloat16) {
   kvtest::Rng rng(0x5a4);
   naive::Tally tally;
   const GqaReduce reduces[] = {GqaReduce::mean, GqaReduce::max, GqaReduce::sum};

@@ -37,7 +37,7 @@ TEST_CASE("streaming: sinks and the newest tokens", "[scorers][streaming]") {
 }
 
 TEMPLATE_TEST_CASE("streaming matches the naive reference", "[scorers][streaming]", float,
-                   Eigen::half, Eigen::bfloat16) {
+                   kvpolicy::half, kvpolicy::bfloat16) {
   kvtest::Rng rng(0x57);
   naive::Tally tally;
   for (std::size_t si = 0; si < std::size(naive::kShapes); ++si) {

@@ -40,8 +40,8 @@ TEST_CASE("tova: hand-computed last-query attention shared by the KV heads", "[s
         std::vector<std::int32_t>{4});
 }
 
-TEMPLATE_TEST_CASE("tova matches the naive reference", "[scorers][tova]", float, Eigen::half,
-                   Eigen::bfloat16) {
+TEMPLATE_TEST_CASE("tova matches the naive reference", "[scorers][tova]", float, kvpolicy::half,
+                   kvpolicy::bfloat16) {
   kvtest::Rng rng(0x70);
   naive::Tally tally;
   int iter = 0;

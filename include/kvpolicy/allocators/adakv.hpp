@@ -27,6 +27,7 @@
 
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/core/params.hpp"
+#include "kvpolicy/allocators/adakv_row.hpp"
 #include "kvpolicy/core/topk_key.hpp"
 #include "kvpolicy/cpu/parallel.hpp"
 
@@ -64,8 +65,7 @@ struct AdaKV {
 
   // Tokens head budget b keeps no matter what the other heads score.
   std::int64_t safeguard(std::int64_t b, std::int64_t protected_tokens) const {
-    const auto s = static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(b)));
-    return std::min(b, std::max(protected_tokens, s));
+    return row_math::ada_keep(b, protected_tokens, alpha);
   }
 
   void allocate(const AllocContext& ctx, std::span<std::int64_t> budgets) const {
@@ -73,9 +73,9 @@ struct AdaKV {
     const std::int64_t L = ctx.layers(), H = ctx.heads(), T = ctx.tokens;
     KVP_REQUIRE(static_cast<std::int64_t>(budgets.size()) == L * H, "adakv: ", budgets.size(),
                 " budgets for ", L * H, " (layer, head) rows");
-    const std::int64_t sinks = std::min(ctx.protect.sinks, T);
-    const std::int64_t recent_begin = std::max(sinks, T - ctx.protect.recent);
-    const std::int64_t P = sinks + (T - recent_begin);
+    const row_math::AdaSpan span = row_math::ada_span(ctx.protect.sinks, ctx.protect.recent, T);
+    const std::int64_t sinks = span.sinks, recent_begin = span.recent_begin;
+    const std::int64_t P = span.protected_count(T);
     struct Cand {
       std::uint64_t key;
       std::int64_t head;

@@ -58,7 +58,7 @@
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/core/topk_key.hpp"
-#include "kvpolicy/cpu/pooling.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
 
 namespace kvpolicy {
 
@@ -87,7 +87,7 @@ inline std::vector<double> current_mass(std::span<const float> attn, std::int64_
   std::vector<double> m(static_cast<std::size_t>(T), 1.0);
   if (n > 0) {
     std::vector<float> pooled(static_cast<std::size_t>(n));
-    cpu::pool1d(attn.data(), pooled.data(), n, kernel, Pool::avg);
+    row_math::pool1d(attn.data(), pooled.data(), n, kernel, Pool::avg);
     const float mx = *std::max_element(pooled.begin(), pooled.end());
     for (std::int64_t j = 0; j < T; ++j)
       m[static_cast<std::size_t>(j)] = j < n ? pooled[static_cast<std::size_t>(j)] : mx;

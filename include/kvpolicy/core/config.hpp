@@ -7,5 +7,10 @@
 #define KVP_HD
 #endif
 
+// Lanes of a CUDA warp, as the kernels and their host emulations (row math) use them.
+namespace kvpolicy {
+inline constexpr int kWarpLanes = 32;
+}
+
 #define KVP_STRINGIFY_IMPL(x) #x
 #define KVP_STRINGIFY(x) KVP_STRINGIFY_IMPL(x)

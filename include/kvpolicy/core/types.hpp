@@ -9,8 +9,8 @@
 
 namespace kvpolicy {
 
-// Element type of a cache: float32, float16 (Eigen::half on the host, __half on the device) or
-// bfloat16 (Eigen::bfloat16 / __nv_bfloat16); see core/dtype.hpp for the host types.
+// Element type of a cache: float32, float16 (kvpolicy::half on the host, __half on the device) or
+// bfloat16 (kvpolicy::bfloat16 / __nv_bfloat16); see core/dtype.hpp for the host types.
 enum class DType : std::uint8_t { f32, f16, bf16 };
 
 constexpr std::string_view dtype_name(DType t) {
@@ -27,7 +27,7 @@ constexpr std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 // How query-head attention is reduced to its KV head under GQA.
 enum class GqaReduce : std::uint8_t { mean, max, sum };
 
-// 1-D pooling over tokens (SnapKV's smoothing): see cpu/pooling.hpp.
+// 1-D pooling over tokens (SnapKV's smoothing): see scorers/snapkv_row.hpp.
 enum class Pool : std::uint8_t { avg, max };
 
 // A read-only [layers][heads][tokens][dim] tensor with its element type carried at run time:

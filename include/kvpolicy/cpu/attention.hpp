@@ -11,7 +11,7 @@
 // buffer exists: a work item holds one strip of at most kRowBlock stacked query rows by the keys
 // they see.
 #pragma once
-#include "kvpolicy/core/eigen.hpp"
+#include "kvpolicy/cpu/eigen.hpp"
 #include <algorithm>
 #include <cmath>
 #include <limits>

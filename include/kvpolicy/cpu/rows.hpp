@@ -1,6 +1,6 @@
 // Loading cache rows into fp32 row-major Eigen matrices (any element type, any strides).
 #pragma once
-#include "kvpolicy/core/eigen.hpp"
+#include "kvpolicy/cpu/eigen.hpp"
 #include <cstdint>
 
 #include "kvpolicy/core/kv_view.hpp"

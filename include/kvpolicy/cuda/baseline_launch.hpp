@@ -8,7 +8,12 @@
 #include <cstdint>
 
 #include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/allocators/adakv_row.hpp"
 #include "kvpolicy/cuda/baseline_math.hpp"
+#include "kvpolicy/scorers/keydiff_row.hpp"
+#include "kvpolicy/scorers/knorm_row.hpp"
+#include "kvpolicy/scorers/streaming_row.hpp"
+#include "kvpolicy/scorers/tova_row.hpp"
 #include "kvpolicy/cuda/launch.hpp"
 #include "kvpolicy/cuda/score_launch.hpp"
 #include "kvpolicy/cuda/status.hpp"

@@ -22,7 +22,7 @@ struct QuantFormat {
   bool token_norm = true;  // keys only
 };
 
-enum class QuantInput : std::uint8_t { f32, f16 };  // f16: IEEE binary16 (__half / Eigen::half)
+enum class QuantInput : std::uint8_t { f32, f16 };  // f16: IEEE binary16 (__half / kvpolicy::half)
 
 // Bytes of one row of `tokens` tokens (keys: blocks + norms per tile; values: blocks).
 inline std::size_t quant_row_bytes(const QuantFormat& f, bool keys, std::int64_t tokens,

@@ -9,6 +9,8 @@
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/core/types.hpp"
 #include "kvpolicy/cuda/score_math.hpp"
+#include "kvpolicy/scorers/h2o_row.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
 #include "kvpolicy/cuda/status.hpp"
 
 namespace kvpolicy::cuda {

@@ -117,43 +117,4 @@ KVP_HD inline std::int64_t split_len(std::int64_t T, int splits) {
   return (T + splits - 1) / splits;
 }
 
-// ---- pooling (SnapKV smoothing) and H2O normalisation ---------------------------------------
-
-// Output j of a stride-1 pooling with padding kernel/2 over in[0..n): average counts the padded
-// positions (count_include_pad), max ignores them; the same values as cpu::pool1d (whose running
-// sum is double; here each window is summed directly in double).
-KVP_HD inline float pool_at(const float* in, std::int64_t n, std::int64_t j, int kernel,
-                            Pool p) {
-  const std::int64_t r = kernel / 2;
-  const std::int64_t lo = j - r < 0 ? 0 : j - r, hi = j + r > n - 1 ? n - 1 : j + r;
-  if (p == Pool::max) {
-    float m = -INFINITY;
-    for (std::int64_t t = lo; t <= hi; ++t) m = in[t] > m ? in[t] : m;
-    return m;
-  }
-  double s = 0;
-  for (std::int64_t t = lo; t <= hi; ++t) s += in[t];
-  return static_cast<float>(s / kernel);
-}
-
-// SnapKV's score of token j from the pooled column sums: window tokens (the last w) are always
-// kept, as FLT_MAX.
-KVP_HD inline float snapkv_at(const float* colsum, std::int64_t T, std::int64_t w,
-                              std::int64_t j, int kernel, Pool p) {
-  return j >= T - w ? FLT_MAX : pool_at(colsum, T - w, j, kernel, p);
-}
-
-// Number of the last n_q queries that see key j (H2O normalize=true divides by it).
-KVP_HD inline float h2o_seen(std::int64_t j, std::int64_t nq, std::int64_t T) {
-  const std::int64_t first = T - nq;
-  return static_cast<float>(T - (j > first ? j : first));
-}
-
-// H2O's score of one key from given state: the accumulator, or with normalize (and counts
-// given) the accumulator over the number of queries that saw the key (0 where none did).
-KVP_HD inline float h2o_from_state(float acc, const float* observed, bool normalize) {
-  if (!normalize || !observed) return acc;
-  return *observed > 0 ? acc / *observed : 0.f;
-}
-
 }  // namespace kvpolicy::cuda::scoring

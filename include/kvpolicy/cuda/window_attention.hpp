@@ -7,7 +7,7 @@
 #include <type_traits>
 
 #include "kvpolicy/core/inputs.hpp"
-#include "kvpolicy/cpu/pooling.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
 #include "kvpolicy/cuda/score_launch.hpp"
 #include "kvpolicy/cuda/tensor_view.hpp"
 #include "kvpolicy/scorers/h2o.hpp"

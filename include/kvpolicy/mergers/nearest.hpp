@@ -20,7 +20,7 @@
 // - Rows (layer, KV head) are independent work items: never mixes heads or layers, and results
 //   are bit-identical for any thread count. Cost per row: evicted x kept x head_dim (GEMM).
 #pragma once
-#include "kvpolicy/core/eigen.hpp"
+#include "kvpolicy/cpu/eigen.hpp"
 #include <string_view>
 
 #include "kvpolicy/core/params.hpp"

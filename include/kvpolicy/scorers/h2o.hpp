@@ -15,6 +15,7 @@
 
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/h2o_row.hpp"
 
 namespace kvpolicy {
 
@@ -73,10 +74,8 @@ struct H2O {
         auto dst = out.row(r / H, r % H);
         const float* acc = in.accumulated + r * st;
         const float* obs = in.observed ? in.observed + r * st : nullptr;
-        for (std::int64_t j = 0; j < Tk; ++j) {
-          dst[j] = acc[j];
-          if (normalize && obs) dst[j] = obs[j] > 0 ? acc[j] / obs[j] : 0.f;
-        }
+        for (std::int64_t j = 0; j < Tk; ++j)
+          dst[j] = row_math::h2o_from_state(acc[j], obs ? obs + j : nullptr, normalize);
       });
       return;
     }
@@ -85,10 +84,8 @@ struct H2O {
     cpu::parallel_for(be, L * H, [&](std::int64_t r) {
       auto dst = out.row(r / H, r % H);
       auto src = colsum.row(r / H, r % H);
-      for (std::int64_t j = 0; j < Tk; ++j) {
-        const auto seen = static_cast<float>(Tk - std::max(j, Tk - nq));
-        dst[j] = normalize ? src[j] / seen : src[j];
-      }
+      for (std::int64_t j = 0; j < Tk; ++j)
+        dst[j] = normalize ? src[j] / row_math::h2o_seen(j, nq, Tk) : src[j];
     });
   }
 };

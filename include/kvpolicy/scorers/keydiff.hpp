@@ -7,6 +7,7 @@
 
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/keydiff_row.hpp"
 
 namespace kvpolicy {
 
@@ -35,7 +36,8 @@ struct KeyDiff {
         const double n = std::sqrt(n2);
         norms[static_cast<std::size_t>(j)] = static_cast<float>(n);
         if (n > 0)
-          for (std::int64_t i = 0; i < d; ++i) anchor[static_cast<std::size_t>(i)] += to_float(k.at(l, h, j, i)) / n;
+          for (std::int64_t i = 0; i < d; ++i)
+            anchor[static_cast<std::size_t>(i)] += row_math::anchor_term(to_float(k.at(l, h, j, i)), n);
       }
       double an2 = 0;
       for (auto& a : anchor) {
@@ -45,10 +47,9 @@ struct KeyDiff {
       const double an = std::sqrt(an2);
       auto dst = out.row(l, h);
       for (std::int64_t j = 0; j < k.tokens; ++j) {
-        const double n = norms[static_cast<std::size_t>(j)];
         double dot = 0;
         for (std::int64_t i = 0; i < d; ++i) dot += to_float(k.at(l, h, j, i)) * anchor[static_cast<std::size_t>(i)];
-        dst[j] = (n > 0 && an > 0) ? static_cast<float>(-dot / (n * an)) : 0.f;
+        dst[j] = row_math::keydiff_score(norms[static_cast<std::size_t>(j)], dot, an);
       }
     });
   }

@@ -4,6 +4,7 @@
 
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/knorm_row.hpp"
 
 namespace kvpolicy {
 
@@ -28,7 +29,7 @@ struct KNorm {
           const float x = to_float(k.at(l, h, j, i));
           s += x * x;
         }
-        dst[j] = -std::sqrt(s);
+        dst[j] = row_math::knorm_finish(s);
       }
     });
   }

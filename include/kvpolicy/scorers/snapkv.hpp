@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "kvpolicy/core/params.hpp"
-#include "kvpolicy/cpu/pooling.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
 #include "kvpolicy/scorers/common.hpp"
 
 namespace kvpolicy {
@@ -66,7 +66,7 @@ struct SnapKV {
     cpu::parallel_for(be, in.layers() * in.kv_heads(), [&](std::int64_t r) {
       const std::int64_t l = r / in.kv_heads(), h = r % in.kv_heads();
       auto dst = out.row(l, h);
-      if (n > 0) cpu::pool1d(attn.row(l, h).data(), dst.data(), n, kernel, pool);
+      if (n > 0) row_math::pool1d(attn.row(l, h).data(), dst.data(), n, kernel, pool);
       for (std::int64_t j = n; j < Tk; ++j) dst[j] = std::numeric_limits<float>::max();
     });
   }

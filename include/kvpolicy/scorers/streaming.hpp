@@ -3,6 +3,7 @@
 #pragma once
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/streaming_row.hpp"
 
 namespace kvpolicy {
 
@@ -25,7 +26,7 @@ struct Streaming {
     for (std::int64_t l = 0; l < in.layers(); ++l)
       for (std::int64_t h = 0; h < in.kv_heads(); ++h) {
         auto r = out.row(l, h);
-        for (std::int64_t j = 0; j < in.tokens(); ++j) r[j] = static_cast<float>(j);
+        for (std::int64_t j = 0; j < in.tokens(); ++j) r[j] = row_math::streaming_at(j);
       }
   }
 };

@@ -1,0 +1,36 @@
+// Compile-time check that the host/device-shared headers stay free of Eigen and CUDA-hostile
+// code: every core header and every stage's row math, compiled by nvcc. It also pins the
+// host 16-bit element types to CUDA's layout, since device tensors' bytes are read as either.
+// Nothing here runs; a header that stops compiling with nvcc fails the build.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kvpolicy/core/backend.hpp"
+#include "kvpolicy/core/budget.hpp"
+#include "kvpolicy/core/config.hpp"
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/error.hpp"
+#include "kvpolicy/core/head_shard.hpp"
+#include "kvpolicy/core/inputs.hpp"
+#include "kvpolicy/core/kv_view.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/params.hpp"
+#include "kvpolicy/core/score_map.hpp"
+#include "kvpolicy/core/selection.hpp"
+#include "kvpolicy/core/topk_key.hpp"
+#include "kvpolicy/core/types.hpp"
+#include "kvpolicy/scorers/h2o_row.hpp"
+#include "kvpolicy/scorers/keydiff_row.hpp"
+#include "kvpolicy/scorers/knorm_row.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
+#include "kvpolicy/scorers/streaming_row.hpp"
+#include "kvpolicy/scorers/tova_row.hpp"
+#include "kvpolicy/allocators/adakv_row.hpp"
+#include "kvpolicy/allocators/ams_rows.hpp"
+#include "kvpolicy/mergers/gsc_row.hpp"
+
+static_assert(sizeof(kvpolicy::half) == sizeof(__half) && alignof(kvpolicy::half) == alignof(__half),
+              "kvpolicy::half must have __half's layout");
+static_assert(sizeof(kvpolicy::bfloat16) == sizeof(__nv_bfloat16) &&
+                  alignof(kvpolicy::bfloat16) == alignof(__nv_bfloat16),
+              "kvpolicy::bfloat16 must have __nv_bfloat16's layout");
