@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "kvpolicy/cpu/stages.hpp"  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include "kvpolicy/cuda/baselines.hpp"
 #include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/select.hpp"

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvpolicy/cpu/stages.hpp"  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include "kvpolicy/cuda/decode.hpp"
 #include "kvpolicy/cuda/decode_packed.hpp"
 #include "kvpolicy/cuda/runtime.hpp"

@@ -1,5 +1,7 @@
 // Compile-time check that the host/device-shared headers stay free of Eigen and CUDA-hostile
-// code: every core header and every stage's row math, compiled by nvcc. It also pins the
+// code: every core header, every stage header (scorers/, allocators/, mergers/, the quantizer;
+// they reach the CPU backend only through cpu/fwd.hpp's declarations) and their row math,
+// compiled by nvcc. It also pins the
 // host 16-bit element types to CUDA's layout, since device tensors' bytes are read as either.
 // Nothing here runs; a header that stops compiling with nvcc fails the build.
 #include <cuda_bf16.h>
@@ -14,20 +16,43 @@
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/core/score_map.hpp"
 #include "kvpolicy/core/selection.hpp"
 #include "kvpolicy/core/topk_key.hpp"
 #include "kvpolicy/core/types.hpp"
+#include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/expected.hpp"
+#include "kvpolicy/scorers/external.hpp"
+#include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/h2o_row.hpp"
+#include "kvpolicy/scorers/keydiff.hpp"
 #include "kvpolicy/scorers/keydiff_row.hpp"
+#include "kvpolicy/scorers/knorm.hpp"
 #include "kvpolicy/scorers/knorm_row.hpp"
+#include "kvpolicy/scorers/kvzip.hpp"
+#include "kvpolicy/scorers/snapkv.hpp"
 #include "kvpolicy/scorers/snapkv_row.hpp"
+#include "kvpolicy/scorers/streaming.hpp"
 #include "kvpolicy/scorers/streaming_row.hpp"
+#include "kvpolicy/scorers/tova.hpp"
 #include "kvpolicy/scorers/tova_row.hpp"
+#include "kvpolicy/allocators/adakv.hpp"
 #include "kvpolicy/allocators/adakv_row.hpp"
+#include "kvpolicy/allocators/ams.hpp"
 #include "kvpolicy/allocators/ams_rows.hpp"
+#include "kvpolicy/allocators/common.hpp"
+#include "kvpolicy/allocators/depthkv.hpp"
+#include "kvpolicy/allocators/profile.hpp"
+#include "kvpolicy/allocators/pyramid.hpp"
+#include "kvpolicy/allocators/uniform.hpp"
+#include "kvpolicy/mergers/common.hpp"
 #include "kvpolicy/mergers/gsc_row.hpp"
+#include "kvpolicy/mergers/nearest.hpp"
+#include "kvpolicy/mergers/semantic.hpp"
+#include "kvpolicy/quant/quantizer.hpp"
+#include "kvpolicy/concepts.hpp"
 
 static_assert(sizeof(kvpolicy::half) == sizeof(__half) && alignof(kvpolicy::half) == alignof(__half),
               "kvpolicy::half must have __half's layout");

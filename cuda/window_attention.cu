@@ -390,10 +390,10 @@ Status window_attention(const cuda_backend& be, const TensorRef& keys, const Ten
 }
 
 namespace {
-std::int64_t snap_w(const TensorRef& k, const SnapKVParams& p) {
+std::int64_t snap_w(const TensorRef& k, const SnapKV& p) {
   return p.window < k.tokens ? p.window : k.tokens;
 }
-Status check_snap(const TensorRef& k, const TensorRef& q, const SnapKVParams& p) {
+Status check_snap(const TensorRef& k, const TensorRef& q, const SnapKV& p) {
   if (p.window < 1) return detail::invalid("snapkv window must be >= 1");
   if (p.kernel < 1 || p.kernel % 2 == 0) return detail::invalid("pooling kernel must be odd");
   return check_views(k, q, snap_w(k, p));
@@ -404,14 +404,14 @@ std::size_t colsum_bytes(const TensorRef& k) {
 }  // namespace
 
 Status snapkv_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
-                              const SnapKVParams& p, std::size_t& bytes) {
+                              const SnapKV& p, std::size_t& bytes) {
   if (Status e = check_snap(keys, queries, p); !e.ok()) return e;
   bytes = colsum_bytes(keys) + stats_bytes(shape_of(keys, queries, snap_w(keys, p)));
   return {};
 }
 
 Status snapkv_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
-                    const SnapKVParams& p, const MutableScoreView& out) {
+                    const SnapKV& p, const MutableScoreView& out) {
   if (Status e = check_snap(keys, queries, p); !e.ok()) return e;
   if (Status e = check_out(out, keys); !e.ok()) return e;
   const std::int64_t w = snap_w(keys, p);

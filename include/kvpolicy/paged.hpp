@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "kvpolicy/core/paged_kv_view.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/policy.hpp"
 
 namespace kvpolicy {

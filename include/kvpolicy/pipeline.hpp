@@ -9,6 +9,7 @@
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/cpu/compact.hpp"
 #include "kvpolicy/cpu/select.hpp"
+#include "kvpolicy/cpu/stages.hpp"
 #include "kvpolicy/scorers/common.hpp"
 
 namespace kvpolicy {

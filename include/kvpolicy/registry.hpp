@@ -8,6 +8,7 @@
 #include "kvpolicy/allocators/depthkv.hpp"
 #include "kvpolicy/allocators/pyramid.hpp"
 #include "kvpolicy/allocators/uniform.hpp"
+#include "kvpolicy/cpu/stages.hpp"
 #include "kvpolicy/mergers/nearest.hpp"
 #include "kvpolicy/mergers/semantic.hpp"
 #include "kvpolicy/quant/quantizer.hpp"

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include <kvpolicy/cpu/stages.hpp>  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include <kvpolicy/allocators/ams.hpp>
 #include <kvpolicy/cuda/ams.hpp>
 #if defined(KVPOLICY_WITH_CUDA)

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <kvpolicy/cpu/stages.hpp>  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include <kvpolicy/allocators/adakv.hpp>
 #include <kvpolicy/allocators/pyramid.hpp>
 #include <kvpolicy/cpu/select.hpp>

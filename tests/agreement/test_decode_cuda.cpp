@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <kvpolicy/cpu/stages.hpp>  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include <kvpolicy/cpu/attention.hpp>
 #include <kvpolicy/cuda/decode_math.hpp>
 #include <kvpolicy/cuda/decode_packed.hpp>

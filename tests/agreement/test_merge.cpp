@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <kvpolicy/cpu/stages.hpp>  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include <kvpolicy/cuda/csr.hpp>
 #include <kvpolicy/mergers/gsc_row.hpp>
 #include <kvpolicy/mergers/semantic.hpp>

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <kvpolicy/cpu/stages.hpp>  // the CPU ops the stages declare (cpu/fwd.hpp)
 #include <kvpolicy/cuda/score_math.hpp>
 #include <kvpolicy/scorers/h2o_row.hpp>
 #include <kvpolicy/scorers/snapkv_row.hpp>

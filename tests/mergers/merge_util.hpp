@@ -11,6 +11,7 @@
 #include <kvpolicy/cpu/attention.hpp>
 #include <kvpolicy/cpu/compact.hpp>
 #include <kvpolicy/cpu/select.hpp>
+#include <kvpolicy/cpu/stages.hpp>
 #include <kvpolicy/mergers/nearest.hpp>
 #include <kvpolicy/mergers/semantic.hpp>
 

@@ -29,7 +29,7 @@
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/allocators/adakv_row.hpp"
 #include "kvpolicy/core/topk_key.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/cpu/fwd.hpp"
 
 namespace kvpolicy {
 

@@ -87,48 +87,40 @@ constexpr std::uint16_t float_to_bfloat16_bits(float f) {
 // ---- the 16-bit element types ---------------------------------------------------------------
 
 // Storage only: explicit conversions from and to arithmetic types (through float), equality of
-// values (so +0 == -0 and NaN != NaN), and the raw bits in `bits`.
-struct half {
+// values (so +0 == -0 and NaN != NaN), and the raw bits in `bits`. Codec: encode / decode.
+template <class Codec>
+struct basic_float16 {
   std::uint16_t bits = 0;
-  constexpr half() = default;
+  constexpr basic_float16() = default;
   template <class A>
     requires std::is_arithmetic_v<A>
-  explicit half(A v) : bits(float_to_half_bits(static_cast<float>(v))) {}
-  static constexpr half from_bits(std::uint16_t b) {
-    half h;
-    h.bits = b;
-    return h;
-  }
-  template <class A>
-    requires std::is_arithmetic_v<A>
-  explicit operator A() const {
-    return static_cast<A>(half_bits_to_float(bits));
-  }
-  friend bool operator==(half a, half b) {
-    return half_bits_to_float(a.bits) == half_bits_to_float(b.bits);
-  }
-};
-
-struct bfloat16 {
-  std::uint16_t bits = 0;
-  constexpr bfloat16() = default;
-  template <class A>
-    requires std::is_arithmetic_v<A>
-  constexpr explicit bfloat16(A v) : bits(float_to_bfloat16_bits(static_cast<float>(v))) {}
-  static constexpr bfloat16 from_bits(std::uint16_t b) {
-    bfloat16 h;
-    h.bits = b;
-    return h;
+  constexpr explicit basic_float16(A v) : bits(Codec::encode(static_cast<float>(v))) {}
+  static constexpr basic_float16 from_bits(std::uint16_t b) {
+    basic_float16 x;
+    x.bits = b;
+    return x;
   }
   template <class A>
     requires std::is_arithmetic_v<A>
   constexpr explicit operator A() const {
-    return static_cast<A>(bfloat16_bits_to_float(bits));
+    return static_cast<A>(Codec::decode(bits));
   }
-  friend constexpr bool operator==(bfloat16 a, bfloat16 b) {
-    return bfloat16_bits_to_float(a.bits) == bfloat16_bits_to_float(b.bits);
+  friend constexpr bool operator==(basic_float16 a, basic_float16 b) {
+    return Codec::decode(a.bits) == Codec::decode(b.bits);
   }
 };
+
+struct HalfCodec {
+  static float decode(std::uint16_t b) { return half_bits_to_float(b); }
+  static std::uint16_t encode(float f) { return float_to_half_bits(f); }
+};
+struct BFloat16Codec {
+  static constexpr float decode(std::uint16_t b) { return bfloat16_bits_to_float(b); }
+  static constexpr std::uint16_t encode(float f) { return float_to_bfloat16_bits(f); }
+};
+
+using half = basic_float16<HalfCodec>;          // IEEE binary16, CUDA's __half
+using bfloat16 = basic_float16<BFloat16Codec>;  // CUDA's __nv_bfloat16
 
 static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
 static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);

@@ -58,8 +58,11 @@ struct KVView {
     v.tokens = n;
     return v;
   }
-  operator KVView<const T>() const  // NOLINT: implicit view-to-const like std::span
-    requires(!std::is_const_v<T>)
+  // A template (U is T) so that KVView<const T> declares no conversion to itself, which nvcc
+  // warns about (#554) even under the constraint.
+  template <class U>
+    requires(std::is_same_v<U, T> && !std::is_const_v<U>)
+  operator KVView<const U>() const  // NOLINT: implicit view-to-const like std::span
   {
     return {data, layers, heads, tokens, dim, stride_layer, stride_head, stride_token, stride_dim};
   }

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "kvpolicy/core/kv_view.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/cpu/rows.hpp"
 
 namespace kvpolicy::cpu {

@@ -24,7 +24,7 @@
 
 #include "kvpolicy/core/kv_view.hpp"
 #include "kvpolicy/core/selection.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 
 namespace kvpolicy::cpu {
 

@@ -16,7 +16,7 @@
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/core/selection.hpp"
 #include "kvpolicy/core/topk_key.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 
 namespace kvpolicy::cpu {
 

@@ -12,7 +12,7 @@
 
 #include "kvpolicy/core/inputs.hpp"
 #include "kvpolicy/cpu/attention.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 
 namespace kvpolicy::cpu {
 

@@ -9,9 +9,10 @@
 #include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/core/types.hpp"
 #include "kvpolicy/cuda/score_math.hpp"
-#include "kvpolicy/scorers/h2o_row.hpp"
-#include "kvpolicy/scorers/snapkv_row.hpp"
 #include "kvpolicy/cuda/status.hpp"
+#include "kvpolicy/scorers/h2o_row.hpp"
+#include "kvpolicy/scorers/snapkv.hpp"  // SnapKV itself is the kernels' parameter struct
+#include "kvpolicy/scorers/snapkv_row.hpp"
 
 namespace kvpolicy::cuda {
 
@@ -22,13 +23,6 @@ namespace kvpolicy::cuda {
 struct MutableScoreView {
   float* data = nullptr;
   std::int64_t layers = 0, heads = 0, tokens = 0, row_stride = 0;
-};
-
-struct SnapKVParams {
-  std::int64_t window = 64;
-  int kernel = 5;
-  Pool pool = Pool::avg;
-  GqaReduce reduce = GqaReduce::mean;
 };
 
 // Workspace (bytes, 256-byte aligned parts) for window attention of the last `nq` of the
@@ -45,9 +39,9 @@ Status window_attention(const cuda_backend& be, const TensorRef& keys, const Ten
 // SnapKV::score from queries: window attention of the last w = min(window, T) queries, pooled
 // over the T - w tokens before the window; window tokens score FLT_MAX.
 Status snapkv_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
-                              const SnapKVParams& p, std::size_t& bytes);
+                              const SnapKV& p, std::size_t& bytes);
 Status snapkv_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
-                    const SnapKVParams& p, const MutableScoreView& out);
+                    const SnapKV& p, const MutableScoreView& out);
 
 // H2O::score from queries (no given accumulators): column sums of all given queries' attention,
 // divided by the number of queries that saw each key when `normalize`.

@@ -67,15 +67,11 @@ void window_attention(const cuda_backend& be, const KVView<const T>& keys,
 
 // ---- SnapKV / H2O scores from queries -------------------------------------------------------
 
-inline SnapKVParams snapkv_params(const SnapKV& s) {
-  return {s.window, s.kernel, s.pool, s.reduce};
-}
-
 template <Element T>
 std::size_t score_workspace_bytes(const SnapKV& s, const Inputs<T>& in) {
   std::size_t b = 0;
   return detail::bytes_or_throw(snapkv_workspace_bytes(erase(in.keys), erase(in.queries),
-                                                       snapkv_params(s), b),
+                                                       s, b),
                                 b, "cuda::score_workspace_bytes(snapkv)");
 }
 
@@ -90,7 +86,7 @@ void score(const cuda_backend& be, const SnapKV& s, const Inputs<T>& in,
               " queries, got ", in.queries.tokens);
   detail::require_score_args(be, in.keys, in.queries, w, out, "cuda::score(snapkv)");
   throw_if_error(
-      snapkv_score(be, erase(in.keys), erase(in.queries), snapkv_params(s), out),
+      snapkv_score(be, erase(in.keys), erase(in.queries), s, out),
       "cuda::score(snapkv)");
 }
 

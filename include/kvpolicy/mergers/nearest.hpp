@@ -20,12 +20,11 @@
 // - Rows (layer, KV head) are independent work items: never mixes heads or layers, and results
 //   are bit-identical for any thread count. Cost per row: evicted x kept x head_dim (GEMM).
 #pragma once
-#include "kvpolicy/cpu/eigen.hpp"
 #include <string_view>
+#include <vector>
 
 #include "kvpolicy/core/params.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
-#include "kvpolicy/cpu/rows.hpp"
+#include "kvpolicy/cpu/fwd.hpp"
 #include "kvpolicy/mergers/common.hpp"
 
 namespace kvpolicy {
@@ -50,40 +49,10 @@ struct Nearest {
                                                    std::int64_t h,
                                                    const std::vector<std::int32_t>& evicted,
                                                    const std::vector<std::int32_t>& targets) {
-    std::vector<std::int32_t> out(evicted.size(), -1);
-    if (targets.empty()) return out;
-    cpu::RowMatrix kt, ke, sim;
-    unit_rows(a.keys, l, h, targets, 0, targets.size(), kt);
-    for (std::size_t b = 0; b < evicted.size(); b += block) {
-      const std::size_t n = std::min<std::size_t>(block, evicted.size() - b);
-      unit_rows(a.keys, l, h, evicted, b, n, ke);
-      sim.noalias() = ke * kt.transpose();
-      for (std::size_t i = 0; i < n; ++i) {
-        Eigen::Index best = 0;
-        for (Eigen::Index t = 1; t < sim.cols(); ++t)
-          if (sim(static_cast<Eigen::Index>(i), t) >= sim(static_cast<Eigen::Index>(i), best)) best = t;
-        out[b + i] = targets[static_cast<std::size_t>(best)];
-      }
-    }
-    return out;
+    return cpu::nearest_targets(a.keys, l, h, evicted, targets, block);
   }
 
  private:
-  // Keys of idx[b, b+n) as fp32 unit rows (zero keys stay zero).
-  template <Element T>
-  static void unit_rows(const KVView<T>& keys, std::int64_t l, std::int64_t h,
-                        const std::vector<std::int32_t>& idx, std::size_t b, std::size_t n,
-                        cpu::RowMatrix& out) {
-    out.resize(static_cast<Eigen::Index>(n), keys.dim);
-    for (std::size_t i = 0; i < n; ++i) {
-      const T* src = keys.row(l, h, idx[b + i]);
-      for (std::int64_t x = 0; x < keys.dim; ++x)
-        out(static_cast<Eigen::Index>(i), x) = to_float(src[x * keys.stride_dim]);
-      const float norm = out.row(static_cast<Eigen::Index>(i)).norm();
-      if (norm > 0.f) out.row(static_cast<Eigen::Index>(i)) /= norm;
-    }
-  }
-
   template <Element T>
   void merge_row(const MergeArgs<T>& a, std::int64_t l, std::int64_t h) const {
     using merge_detail::Role;

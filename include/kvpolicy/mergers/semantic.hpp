@@ -55,7 +55,7 @@
 
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/core/topk_key.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/cpu/fwd.hpp"
 #include "kvpolicy/mergers/common.hpp"
 #include "kvpolicy/mergers/gsc_row.hpp"
 

@@ -44,7 +44,7 @@
 #include <vector>
 
 #include "kvpolicy/core/backend.hpp"
-#include "kvpolicy/cpu/parallel.hpp"
+#include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/quant/packed_cache.hpp"
 
 // Build flags: the AVX-512 forms are compiled where the compiler targets AVX-512F (e.g.

@@ -1,7 +1,8 @@
-// Statistics shared by several scorers, memoized per compression event in Stats.
+// Statistics shared by several scorers, memoized per compression event in Stats. The CPU ops
+// they run are declared in cpu/fwd.hpp (defined in cpu/, included by registry.hpp).
 #pragma once
 #include "kvpolicy/core/inputs.hpp"
-#include "kvpolicy/cpu/window_attention.hpp"
+#include "kvpolicy/cpu/fwd.hpp"
 
 namespace kvpolicy {
 

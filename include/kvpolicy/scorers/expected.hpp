@@ -36,7 +36,6 @@
 #include <vector>
 
 #include "kvpolicy/core/params.hpp"
-#include "kvpolicy/cpu/rows.hpp"
 #include "kvpolicy/scorers/common.hpp"
 
 namespace kvpolicy {
@@ -147,8 +146,7 @@ struct ExpectedAttention {
       const std::int64_t l = r / H, h = r % H;
       const auto ud = static_cast<std::size_t>(d);
       std::vector<double> qi(ud), mu(ud), sig(ud * ud);
-      Eigen::VectorXf muf(d), lin;
-      cpu::RowMatrix sigf(d, d), kbuf, ks;
+      std::vector<float> muf(ud), sigf(ud * ud);
       std::vector<double> acc(static_cast<std::size_t>(Tk), 0.0), z(static_cast<std::size_t>(Tk));
       for (std::int64_t g = 0; g < group; ++g) {
         const std::int64_t hq = h * group + g;
@@ -173,11 +171,7 @@ struct ExpectedAttention {
         if (n == 0) continue;  // every query is a sink's: this head adds nothing
         for (auto& m : mu) m /= static_cast<double>(n);
         if (cov) {  // Sigma = Xc^T Xc / n, Xc the centred rotated queries (a double GEMM)
-          using DRow = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-          Eigen::Map<DRow> X(rows.data(), n, d);
-          const Eigen::Map<const Eigen::RowVectorXd> m(mu.data(), d);
-          X.rowwise() -= m;
-          Eigen::Map<DRow>(sig.data(), d, d).noalias() = X.transpose() * X / static_cast<double>(n);
+          cpu::centered_gram(rows.data(), n, d, mu.data(), sig.data());
         }
         // 2. Rbar mu and Rbar Sigma Rbar^T, rows then columns.
         auto rot = [&](auto&& get, auto&& set) {
@@ -198,26 +192,15 @@ struct ExpectedAttention {
             rot([&](std::int64_t e) { return sig[row * ud + static_cast<std::size_t>(e)]; },
                 [&](std::int64_t e, double v) { sig[row * ud + static_cast<std::size_t>(e)] = v; });
         }
-        for (std::size_t e = 0; e < ud; ++e) muf(static_cast<Eigen::Index>(e)) = static_cast<float>(mu[e]);
-        for (std::size_t e = 0; e < ud * ud; ++e) sigf.data()[e] = static_cast<float>(sig[e]);
+        for (std::size_t e = 0; e < ud; ++e) muf[e] = static_cast<float>(mu[e]);
+        for (std::size_t e = 0; e < ud * ud; ++e) sigf[e] = static_cast<float>(sig[e]);
         // 3. log-MGF logits and their softmax over the non-sink keys, in blocks of keys:
         // lin = K mu and quad_j = k_j . (Sigma k_j) = rowsum(K .* (K Sigma)) (Sigma symmetric),
         // two fp32 GEMMs per block.
         const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
-        double zmax = -std::numeric_limits<double>::infinity();
-        for (std::int64_t j0 = s_end; j0 < Tk; j0 += kBlock) {
-          const std::int64_t nb = std::min(kBlock, Tk - j0);
-          const cpu::RowMap K = cpu::rows_f32(k, l, h, j0, nb, kbuf);
-          lin.noalias() = K * muf;
-          if (cov) ks.noalias() = K * sigf;
-          for (std::int64_t r = 0; r < nb; ++r) {
-            double quad = 0;
-            if (cov) quad = static_cast<double>(K.row(r).dot(ks.row(r)));
-            const double v = static_cast<double>(lin(r)) * inv_sqrt_d + quad / (2.0 * static_cast<double>(d));
-            z[static_cast<std::size_t>(j0 + r)] = v;
-            zmax = std::max(zmax, v);
-          }
-        }
+        const double zmax = cpu::key_logits(k, l, h, s_end, Tk, kBlock, muf.data(),
+                                            cov ? sigf.data() : nullptr, inv_sqrt_d,
+                                            2.0 * static_cast<double>(d), z.data());
         double sum = 0;
         for (std::int64_t j = s_end; j < Tk; ++j) {
           auto& v = z[static_cast<std::size_t>(j)];

@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 
+#include "kvpolicy/core/backend.hpp"
 #include "kvpolicy/core/inputs.hpp"
 
 namespace kvpolicy {

@@ -1,5 +1,7 @@
-// OpenMP helpers. Work is split into independent items (usually (layer, head) pairs) that each
-// write their own output, so results never depend on the number of threads.
+// The host executor of cpu_backend: OpenMP when enabled, a plain loop otherwise (so nvcc and
+// builds without OpenMP compile it). Work is split into independent items (usually (layer,
+// head) pairs) that each write their own output, so results never depend on the number of
+// threads.
 #pragma once
 #include <cstdint>
 #include <exception>
