@@ -12,7 +12,8 @@
 // Ada-KV: keys topk_key(score, j) of every row's non-protected tokens, a CUB segmented radix
 //   sort per row (descending), then one block per layer: the safeguards, a radix select (8 x
 //   8-bit digits) of the key of the layer's free-th best pool entry, counts per head.
-// Per-element math: kvpolicy/cuda/baseline_math.hpp (KVP_HD, tested on the host).
+// Per-element math: scorers/{knorm,keydiff,tova,streaming}_row.hpp, allocators/adakv_row.hpp and
+// the warp helpers of kvpolicy/cuda/baseline_math.hpp (KVP_HD, tested on the host).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -13,7 +13,8 @@
 // adds exp(logit - max) / sum. Every column sum is owned by one thread: no atomics, one order.
 // The group reduction (mean / max / sum) and the optional H2O normalisation close the thread.
 // SnapKV then pools the column sums of the tokens before the window (one thread per output).
-// All per-element math is in kvpolicy/cuda/score_math.hpp (KVP_HD, tested on the host).
+// The per-element math is in kvpolicy/cuda/score_math.hpp (window attention), scorers/snapkv_row.hpp
+// (pooling) and scorers/h2o_row.hpp (normalisation): KVP_HD, tested on the host.
 //
 // Cost: the logits are fp32 FMAs on the CUDA cores (head_dim 64 and 128 keep the thread's row in
 // registers and read the shared operand as float4 broadcasts; other head dims use shared-memory

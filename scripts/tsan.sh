@@ -13,7 +13,7 @@
 #   TSAN_OPTIONS=ignore_noninstrumented_modules=1 drops reports whose accesses are inside libomp
 #   itself (uninstrumented); races between OpenMP workers in kvpolicy's own code are still
 #   reported (an injected one, a counter shared by parallel_for items, was caught). Without
-#   libarcher.so, or with KVPOLICY_TSAN_OPENMP=off, the build has no OpenMP (cpu/parallel.hpp
+#   libarcher.so, or with KVPOLICY_TSAN_OPENMP=off, the build has no OpenMP (core/parallel.hpp
 #   then runs its loops on the calling thread) and the summary says so.
 # Exit status: non-zero if the build fails, a test fails or TSan reports anything
 #   (halt_on_error=1, exitcode=66). The last line is a one-line summary.

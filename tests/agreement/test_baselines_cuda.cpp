@@ -1,6 +1,7 @@
 // Agreement of the CUDA baseline scorers and the device Ada-KV budgets (cuda/baselines.cu) with
 // the CPU references: KNorm, KeyDiff, TOVA, Streaming scores and AdaKV::allocate budgets.
-// CPU half: the kernels' per-element math (kvpolicy/cuda/baseline_math.hpp, KVP_HD) driven by a
+// CPU half: the kernels' per-element math (scorers/*_row.hpp, allocators/adakv_row.hpp and the
+// warp helpers of kvpolicy/cuda/baseline_math.hpp, KVP_HD) driven by a
 // host emulation of the grids (32-lane warps with the xor butterfly, KeyDiff's anchor chunks,
 // Ada-KV's sorted rows + radix select + per-head counts), compared with the CPU scorers (NMSE,
 // exact where the CPU result is exact) and with AdaKV::allocate (exact integers, many random
@@ -386,14 +387,25 @@ TEMPLATE_TEST_CASE("emulated CUDA TOVA and StreamingLLM equal the CPU scorers", 
     const ScoreMap sw = cpu_score(Streaming{}, in);
     for (std::int64_t l = 0; l < c.L; ++l)
       for (std::int64_t h = 0; h < c.Hkv; ++h)
-        for (std::int64_t j = 0; j < c.T; ++j) REQUIRE(rm::streaming_at(j) == sw.row(l, h)[j]);
+        for (std::int64_t j = 0; j < c.T; ++j) {  // the spec (the token's position), not the row math the CPU calls
+          REQUIRE(sw.row(l, h)[j] == static_cast<float>(j));
+          REQUIRE(rm::streaming_at(j) == static_cast<float>(j));
+        }
   }
 }
 
 TEST_CASE("Ada-KV helpers follow AdaKV's safeguard and protection rules", "[agreement]") {
   for (double alpha : {0.0, 0.2, 0.37, 1.0})
     for (std::int64_t P : {0, 1, 5})
-      for (std::int64_t b = P; b <= 40; ++b) CHECK(rm::ada_keep(b, P, alpha) == AdaKV{alpha}.safeguard(b, P));
+      for (std::int64_t b = P; b <= 40; ++b) {
+        // The spec's safeguard min(b, max(P, floor(alpha b))), written out here: AdaKV::safeguard
+        // itself calls rm::ada_keep.
+        const auto f = static_cast<std::int64_t>(std::floor(alpha * static_cast<double>(b)));
+        CHECK(rm::ada_keep(b, P, alpha) == std::min(b, std::max(P, f)));
+      }
+  CHECK(rm::ada_keep(10, 1, 0.2) == 2);
+  CHECK(rm::ada_keep(10, 3, 0.2) == 3);
+  CHECK(rm::ada_keep(2, 3, 0.2) == 2);
   for (std::int64_t T : {0, 1, 7, 20})
     for (std::int64_t s : {0, 3, 25})
       for (std::int64_t r : {0, 2, 30}) {

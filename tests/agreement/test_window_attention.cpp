@@ -1,6 +1,7 @@
 // Agreement of the CUDA scoring kernels (cuda/window_attention.cu) with the CPU references:
 // cpu::window_attention, SnapKV::score and H2O::score from queries.
-// CPU half: the kernels' per-element math (kvpolicy/cuda/score_math.hpp, KVP_HD) checked on its
+// CPU half: the kernels' per-element math (kvpolicy/cuda/score_math.hpp, scorers/snapkv_row.hpp,
+// scorers/h2o_row.hpp; KVP_HD) checked on its
 // own, then driven by a host emulation of both passes (row statistics per key split, merged in
 // split order; one column sum per key over the group's heads and visible queries), compared with
 // the references by NMSE over GQA groups 1/2/4, reduce mean/max/sum, T not a multiple of any

@@ -107,6 +107,15 @@ TEST_CASE("bfloat16 conversions: exact widening, nearest-even narrowing", "[core
   const float snan = std::bit_cast<float>(0x7F800001u);
   CHECK(std::isnan(kvpolicy::bfloat16_bits_to_float(kvpolicy::float_to_bfloat16_bits(snan))));
   CHECK(std::isnan(kvpolicy::half_bits_to_float(kvpolicy::float_to_half_bits(snan))));
+  // NaN signs and payloads: narrowing quiets and keeps the sign; widening keeps both exactly.
+  const std::uint16_t neg = kvpolicy::float_to_half_bits(-std::numeric_limits<float>::quiet_NaN());
+  CHECK((neg & 0x8000) != 0);
+  CHECK((neg & 0x7E00) == 0x7E00);
+  CHECK(kvpolicy::float_to_half_bits(snan) == 0x7E00);  // payload below the kept bits: quiet only
+  CHECK(std::bit_cast<std::uint32_t>(kvpolicy::half_bits_to_float(0x7C01)) == 0x7F802000u);
+  CHECK(std::bit_cast<std::uint32_t>(kvpolicy::half_bits_to_float(0xFE00)) == 0xFFC00000u);
+  CHECK((kvpolicy::float_to_bfloat16_bits(-std::numeric_limits<float>::quiet_NaN()) & 0x8040) ==
+        0x8040);
 }
 
 TEST_CASE("half and bfloat16: explicit conversions and value equality", "[core][dtype]") {

@@ -5,9 +5,11 @@
 // own. Free of Eigen and CUDA, so that every core header is shared by host code and nvcc.
 //
 // Conversions: float -> 16 bits rounds to nearest, ties to even (overflow to infinity,
-// underflow through the subnormals to signed zero); 16 bits -> float is exact. A NaN stays a
-// NaN (quiet, sign kept). With F16C enabled (-march=native on x86-64) half uses the
-// instructions, which round the same way.
+// underflow through the subnormals to signed zero); a NaN becomes a quiet NaN with its sign and
+// the top of its payload. 16 bits -> float is exact, NaNs included (payload and sign kept).
+// Other arithmetic types convert through float. One portable body on every target: no F16C
+// variant, whose definition would differ between translation units built with and without
+// -mf16c (an ODR violation that could leave F16C instructions in a portable program).
 #pragma once
 #include <bit>
 #include <concepts>
@@ -16,62 +18,40 @@
 #include <type_traits>
 
 #include "kvpolicy/core/types.hpp"
-#if defined(__F16C__) && !defined(__CUDACC__)
-#include <immintrin.h>
-#endif
 
 namespace kvpolicy {
 
 // ---- bit conversions ------------------------------------------------------------------------
 
+// The normal range is tested first (the branch is predictable on real data). The subnormal
+// halves go through the FPU: 0.5f + m * 2^-24 is exact (the ulp of [0.5, 1) is 2^-24), so subtracting 0.5f recovers
+// m * 2^-24, and adding 0.5f to |x| < 2^-14 rounds it to a multiple of 2^-24 to nearest even,
+// which is the half's subnormal mantissa. Only the default rounding mode is assumed.
 inline float half_bits_to_float(std::uint16_t h) {
-#if defined(__F16C__) && !defined(__CUDACC__)
-  return _cvtsh_ss(h);
-#else
+  const std::uint32_t em = h & 0x7FFFu;  // exponent and mantissa
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  std::uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / NaN (payload kept)
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal half: value = man * 2^-24, normal in fp32
-    const int lz = std::countl_zero(static_cast<std::uint32_t>(man)) - 21;  // zeros within 10 bits
-    const std::uint32_t m = (man << lz) & 0x3FFu;
-    bits = sign | (static_cast<std::uint32_t>(113 - lz) << 23) | (m << 13);
-  }
-  return std::bit_cast<float>(bits);
-#endif
+  if (em - 0x400u < 0x7C00u - 0x400u)  // normal: rebias the exponent 15 -> 127
+    return std::bit_cast<float>(sign | ((em << 13) + (112u << 23)));
+  if (em < 0x400u)  // zero and subnormals: m * 2^-24
+    return std::bit_cast<float>(
+        sign | std::bit_cast<std::uint32_t>(std::bit_cast<float>(0x3F000000u | em) - 0.5f));
+  return std::bit_cast<float>(sign | 0x7F800000u | (em << 13));  // inf / NaN (payload kept)
 }
 
 inline std::uint16_t float_to_half_bits(float f) {
-#if defined(__F16C__) && !defined(__CUDACC__)
-  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
-#else
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
   const std::uint32_t ax = x & 0x7FFFFFFFu;
-  if (ax > 0x7F800000u)  // NaN: quiet, the payload's top bits kept
-    return static_cast<std::uint16_t>(sign | 0x7E00u | ((ax >> 13) & 0x1FFu));
-  if (ax >= 0x47800000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // >= 2^16 (and inf)
-  std::uint32_t h, rem, tie;
-  if (ax >= 0x38800000u) {  // normal half: rebias the exponent, keep 10 of 23 mantissa bits
-    h = (ax >> 13) - (112u << 10);
-    rem = ax & 0x1FFFu;
-    tie = 0x1000u;
-  } else {  // subnormal half (or zero): value = m * 2^(e - 150), unit 2^-24
-    if (ax <= 0x33000000u) return sign;  // at most 2^-25: rounds to zero (the tie to even)
-    const std::uint32_t e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u;
-    const std::uint32_t shift = 126 - e;  // 14 .. 24
-    h = m >> shift;
-    rem = m & ((1u << shift) - 1);
-    tie = 1u << (shift - 1);
-  }
-  if (rem > tie || (rem == tie && (h & 1u))) ++h;  // a carry may reach the next exponent / inf
-  return static_cast<std::uint16_t>(sign | h);
-#endif
+  // Normal half: round the 13 dropped mantissa bits to nearest even, then rebias; a carry may
+  // reach the next exponent, and from 65520 on, infinity.
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  if (ax - 0x38800000u < 0x47800000u - 0x38800000u)  // [2^-14, 2^16): the common case
+    return static_cast<std::uint16_t>(
+        sign | (((ax + 0x0FFFu + ((ax >> 13) & 1u)) >> 13) - (112u << 10)));
+  if (ax < 0x38800000u)  // the subnormal (or zero)
+    return static_cast<std::uint16_t>(
+        sign | (std::bit_cast<std::uint32_t>(std::bit_cast<float>(ax) + 0.5f) - 0x3F000000u));
+  return static_cast<std::uint16_t>(sign | (ax > 0x7F800000u ? 0x7E00u | ((ax >> 13) & 0x1FFu)
+                                                              : 0x7C00u));
 }
 
 constexpr float bfloat16_bits_to_float(std::uint16_t b) {

@@ -5,9 +5,10 @@
 //
 // The definitions live in cpu/*.hpp; cpu/stages.hpp includes them all, and registry.hpp,
 // pipeline.hpp (so policy.hpp, session.hpp and kvpolicy.hpp) include cpu/stages.hpp. A program
-// that runs a stage's CPU member (score, allocate, merge) from the stage header alone includes
-// kvpolicy/cpu/stages.hpp as well; without it the link fails naming the op
-// (kvpolicy::cpu::window_attention<float>, ...).
+// that runs a stage's CPU member (score, allocate, merge) from the stage header alone must
+// include kvpolicy/cpu/stages.hpp as well: an op instantiated without its definition in the
+// same translation unit is ill-formed (no diagnostic required; usually the link fails naming
+// it, e.g. kvpolicy::cpu::window_attention<float>, but another object's copy may satisfy it).
 #pragma once
 #include <cstdint>
 #include <vector>
