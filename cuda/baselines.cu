@@ -22,6 +22,7 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "check.cuh"
+#include "elem.cuh"
 #include "kvpolicy/core/topk_key.hpp"
 #include "kvpolicy/cuda/baseline_launch.hpp"
 
@@ -36,17 +37,11 @@ constexpr int kWarpsPerBlock = kBlock / bm::kWarp;
 constexpr int kAdaThreads = 1024;
 constexpr std::size_t align256(std::size_t x) { return (x + 255) & ~std::size_t{255}; }
 
-__host__ __device__ __forceinline__ float to_f32(float x) { return x; }
-__host__ __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__host__ __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+using detail::to_f32;
 
 // Element i of one token's key, as float.
 template <class E>
-struct KeyRow {
-  const E* p;
-  std::int64_t sd;
-  __host__ __device__ float operator()(std::int64_t i) const { return to_f32(p[i * sd]); }
-};
+using KeyRow = detail::ElemRow<E>;
 
 template <class E>
 struct Keys {

@@ -24,6 +24,7 @@
 #include "kvpolicy/core/types.hpp"
 #include "kvpolicy/scorers/common.hpp"
 #include "kvpolicy/scorers/expected.hpp"
+#include "kvpolicy/scorers/expected_row.hpp"
 #include "kvpolicy/scorers/external.hpp"
 #include "kvpolicy/scorers/h2o.hpp"
 #include "kvpolicy/scorers/h2o_row.hpp"

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "elem.cuh"
 #include "kvpolicy/cuda/score_launch.hpp"
 
 namespace kvpolicy::cuda {
@@ -41,9 +42,7 @@ constexpr int kPass2Keys = 128;           // pass 2: threads = keys per block
 constexpr int kQueryTile = 32;            // pass 2: queries staged per tile
 constexpr std::int64_t kMaxDim = 256;
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+using detail::to_f32;
 
 template <class E>
 struct Src {
@@ -440,16 +439,17 @@ Status h2o_workspace_bytes(const TensorRef& keys, const TensorRef& queries, std:
 }
 
 Status h2o_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
-                 GqaReduce reduce, bool normalize, const MutableScoreView& out) {
+                 const H2O& p, const MutableScoreView& out) {
   if (Status e = check_views(keys, queries, queries.tokens); !e.ok()) return e;
   if (Status e = check_out(out, keys); !e.ok()) return e;
-  return run(be, keys, queries, shape_of(keys, queries, queries.tokens), reduce, normalize,
+  return run(be, keys, queries, shape_of(keys, queries, queries.tokens), p.reduce, p.normalize,
              out.data, out.row_stride);
 }
 
 Status h2o_score_from_state(const cuda_backend& be, const float* accumulated,
-                            const float* observed, std::int64_t state_stride, bool normalize,
+                            const float* observed, std::int64_t state_stride, const H2O& p,
                             const MutableScoreView& out) {
+  const bool normalize = p.normalize;
   if (out.layers < 0 || out.heads < 0 || out.tokens < 0)
     return detail::invalid("negative output extent");
   const std::int64_t rows = out.layers * out.heads;

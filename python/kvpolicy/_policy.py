@@ -82,6 +82,13 @@ class HeadShard:
                 None if fn is None else (lambda data: bytes(memoryview(fn(data)))))
 
 
+
+def _freqs(rope_inv_freq) -> list:
+    """The model's inverse RoPE frequencies as a host list of float32 values ([] if not given)."""
+    if rope_inv_freq is None:
+        return []
+    return np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
+
 class Policy:
     """A KV-cache compression policy built from a spec string, e.g.
     ``Policy("snapkv(window=32) | adakv")`` (scorer | allocators | merger | quantizer; see the
@@ -95,10 +102,12 @@ class Policy:
 
     CUDA tensors (torch, CuPy, any DLPack producer) are compressed where they are, on the CUDA
     device path (the README's "A spec-string policy on the GPU"): the same kept sets as on the
-    host. Pass keys, values and queries on one device; the device path takes the scorers with
-    a CUDA kernel (snapkv, h2o from queries, tova, knorm, keydiff, streaming) and the allocators
-    uniform, pyramid, depthkv and adakv, and refuses other stages, state arrays
-    (``accumulated``, ...), ``return_scores``, ``shard`` and ``inplace=False`` by name. It needs
+    host (expected attention: see below). Pass keys, values and queries on one device; the device path takes the scorers with
+    a CUDA kernel (snapkv, h2o from queries, tova, knorm, keydiff, streaming, expected) and the
+    allocators uniform, pyramid, depthkv and adakv, and refuses other stages, state arrays
+    (``accumulated``, ...), ``return_scores``, ``shard`` and ``inplace=False`` by name.
+    ``rope_inv_freq`` (expected attention) stays a host array there too. Expected attention's
+    device scores equal the host's to fp32 rounding, so its kept sets can differ at near-ties. It needs
     kvpolicy built with CUDA (``kvpolicy._core.cuda_built``; ``pip install . -C
     cmake.define.KVPOLICY_CUDA=ON``); otherwise it checks the arguments (all but the kernels'
     own shape limits), then raises RuntimeError. float32, float16 and bfloat16 tensors; the
@@ -209,10 +218,10 @@ class Policy:
         tensors = (("keys", keys), ("values", values), ("queries", queries))
         if any(dlpack_device(x) is not None for _, x in tensors):
             extra = dict(zip(("accumulated", "observed", "reconstruction"), state),
-                         return_scores=scores or None, rope_inv_freq=rope_inv_freq, shard=shard)
+                         return_scores=scores or None, shard=shard)
             return self._run_device(tensors, kind, value, compact=compact, inplace=inplace,
                                     first_layer=first_layer, model_layers=model_layers,
-                                    stream=stream, extra=extra)
+                                    stream=stream, extra=extra, freqs=_freqs(rope_inv_freq))
         if stream is not None:
             raise ValueError("stream: given, but no tensor is on a CUDA device")
         k, lifted = as_cache(keys, "keys")
@@ -228,10 +237,8 @@ class Policy:
         elif compact and np.may_share_memory(k, v):
             raise ValueError("values: shares memory with keys; compacting both in place would "
                              "corrupt them")
-        freqs = [] if rope_inv_freq is None else \
-            np.asarray(rope_inv_freq, dtype=np.float32).reshape(-1).tolist()
         idx, counts, sc, warning = self._p._run(k, v, q, acc, obs, rec, kind, value, first_layer,
-                                                model_layers, compact, scores, freqs,
+                                                model_layers, compact, scores, _freqs(rope_inv_freq),
                                                 None if shard is None else shard._args())
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=3)
@@ -248,7 +255,7 @@ class Policy:
 
 
     def _run_device(self, tensors, kind, value, *, compact, inplace, first_layer, model_layers,
-                    stream, extra) -> CompressResult:
+                    stream, extra, freqs) -> CompressResult:
         """The CUDA device path (see the class docstring)."""
         where = {name: dlpack_device(x) for name, x in tensors if x is not None}
         device = where["keys"] if where.get("keys") else next(d for d in where.values() if d)
@@ -270,7 +277,7 @@ class Policy:
         dl_stream = 1 if not stream else stream
         caps = [None if x is None else x.__dlpack__(stream=dl_stream) for _, x in tensors]
         idx, counts, _, warning = self._p._run_device(*caps, kind, value, first_layer,
-                                                      model_layers, compact, stream or 0)
+                                                      model_layers, compact, stream or 0, freqs)
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=4)
         keys, values = tensors[0][1], tensors[1][1]

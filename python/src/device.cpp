@@ -11,10 +11,12 @@
 // The capsules are borrowed, not consumed: the producer's capsule keeps owning the tensor, and
 // the call returns only after the stream has finished with it (run_owned downloads the selection).
 #include <dlpack/dlpack.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -122,7 +124,7 @@ std::pair<std::uintptr_t, std::uintptr_t> extent(const kvpolicy::KVView<T>& v) {
 template <class T>
 py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
               const DeviceTensor* qd, const Budget& budget, const kvpolicy::EventInfo& ev,
-              bool compact, std::uintptr_t stream) {
+              bool compact, std::uintptr_t stream, std::span<const float> rope_inv_freq) {
   kvpolicy::KVView<T> k = view_of<T>(kd), v;
   kvpolicy::Inputs<T> in;
   in.keys = k;
@@ -131,6 +133,7 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
     in.values = v;
   }
   if (qd) in.queries = view_of<const T>(*qd);
+  in.rope_inv_freq = rope_inv_freq;  // host memory, as on the host path
   // The event's host checks, as cuda::plan makes them: stages without a device path, shapes
   // (values against keys too), budget, protection.
   (void)kvpolicy::cuda::detail::setup_event(p, in, budget, ev);
@@ -159,7 +162,8 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
 
 py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& values,
                      const py::handle& queries, char kind, double value, std::int64_t first_layer,
-                     std::int64_t model_layers, bool compact, std::uintptr_t stream) {
+                     std::int64_t model_layers, bool compact, std::uintptr_t stream,
+                     const std::vector<float>& rope_inv_freq) {
   const DeviceTensor k = borrow(keys, "keys");
   std::optional<DeviceTensor> v, q;
   if (!values.is_none()) v = borrow(values, "values");
@@ -184,10 +188,12 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
   const DeviceTensor* vp = v ? &*v : nullptr;
   const DeviceTensor* qp = q ? &*q : nullptr;
   switch (k.dtype) {
-    case kvpolicy::DType::f32: return run<float>(p, k, vp, qp, budget, ev, compact, stream);
-    case kvpolicy::DType::f16: return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream);
+    case kvpolicy::DType::f32:
+      return run<float>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
+    case kvpolicy::DType::f16:
+      return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
     case kvpolicy::DType::bf16:
-      return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream);
+      return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
   }
   value_error("keys: unknown dtype");
 }
@@ -197,7 +203,7 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
 void bind_policy_device(py::class_<Policy>& cls) {
   cls.def("_run_device", &run_device, py::arg("keys"), py::arg("values"), py::arg("queries"),
           py::arg("kind"), py::arg("value"), py::arg("first_layer"), py::arg("model_layers"),
-          py::arg("compact"), py::arg("stream"));
+          py::arg("compact"), py::arg("stream"), py::arg("rope_inv_freq"));
 }
 
 bool cuda_built() {

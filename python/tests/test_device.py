@@ -152,10 +152,23 @@ def test_the_producers_are_asked_for_the_callers_stream(rng):
 def test_stages_without_a_device_path_are_named(rng):
     k, v = cache(rng)
     dk, dv, dq = _device(k, v, _queries(rng))
-    with pytest.raises(ValueError, match="scorer 'expected' has no CUDA kernel.*snapkv"):
-        kvpolicy.Policy("expected").select(dk, dv, dq, budget=0.5)
+    with pytest.raises(ValueError, match="scorer 'kvzip' has no CUDA kernel.*expected"):
+        kvpolicy.Policy("kvzip").select(dk, dv, dq, budget=0.5)
     with pytest.raises(ValueError, match="allocator 'ams' has no device path"):
         kvpolicy.Policy("snapkv(window=8) | ams").select(dk, dv, dq, budget=0.5)
+
+
+def test_expected_attention_takes_the_rope_frequencies_as_a_host_array(rng):
+    """Expected attention has a device kernel; its RoPE frequencies come from the spec (theta=)
+    or from rope_inv_freq, a host array even when the tensors are on the device."""
+    k, v = cache(rng)
+    dk, dv, dq = _device(k, v, _queries(rng))
+    with _after_checks():
+        kvpolicy.Policy("expected(theta=10000,window=8)").select(dk, dv, dq, budget=0.5)
+    freqs = 10000.0 ** (-np.arange(16, dtype=np.float64) * 2 / 32)
+    with _after_checks():
+        kvpolicy.Policy("expected(window=8) | adakv").compress(dk, dv, dq, budget=0.5,
+                                                                rope_inv_freq=freqs)
 
 
 def test_dtypes_and_devices_are_checked(rng):
@@ -291,3 +304,14 @@ def test_cuda_tensors_keep_the_host_paths_sets(rng):
         width = want.indices.shape[2]
         np.testing.assert_array_equal(dk.numpy()[:, :, :width], want.keys)
         np.testing.assert_array_equal(dv.numpy()[:, :, :width], want.values)
+    # Expected attention: device scores equal the host's to fp32 rounding, so the kept sets may
+    # differ at near-ties only: the same counts, and at most one token exchanged per row.
+    p = kvpolicy.Policy("expected(theta=10000,window=8)")
+    want = p.select(k, v, q, budget=0.4)
+    dk, dv, dq = (DeviceCopy(_CUDART, x) for x in (k, v, q))
+    got = p.select(dk, dv, dq, budget=0.4)
+    np.testing.assert_array_equal(got.counts, want.counts)
+    for l in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            n = want.counts[l, h]
+            assert len(set(got.indices[l, h, :n]) ^ set(want.indices[l, h, :n])) <= 2

@@ -399,9 +399,11 @@ KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selecti
 
 /* A whole policy on device tensors: the policy's scorer and allocators select on the GPU, then
  * (params->compact) keys and values are compacted in place, every kernel on `stream`. Device
- * stages: scorers snapkv, h2o, tova, knorm, keydiff, streaming; allocators uniform, pyramid,
- * depthkv, adakv. Another stage, params->shard, or a policy with a merger or quantizer gives
- * KVP_ERROR_UNSUPPORTED (use kvp_compress). The kept sets equal kvp_compress's on the same data.
+ * stages: scorers snapkv, h2o, tova, knorm, keydiff, streaming, expected (its RoPE base from
+ * the spec: "expected(theta=...)"); allocators uniform, pyramid, depthkv, adakv. Another stage,
+ * params->shard, or a policy with a merger or quantizer gives KVP_ERROR_UNSUPPORTED (use
+ * kvp_compress). The kept sets equal kvp_compress's on the same data (expected attention's up to
+ * near-ties: its device scores equal the host's to fp32 rounding).
  * keys, values, queries: device memory, as kvp_compress takes them (values may be NULL when
  * params->compact is 0). params->threads is ignored. NaN/Inf in the inputs are not checked.
  * One host synchronisation per call: the per-row budgets are computed on the host and uploaded

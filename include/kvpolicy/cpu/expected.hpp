@@ -8,6 +8,7 @@
 
 #include "kvpolicy/cpu/fwd.hpp"
 #include "kvpolicy/cpu/rows.hpp"
+#include "kvpolicy/scorers/expected_row.hpp"
 
 namespace kvpolicy::cpu {
 
@@ -38,9 +39,8 @@ double key_logits(const KVView<const T>& keys, std::int64_t l, std::int64_t h, s
     lin.noalias() = K * muf;
     if (sigma) ks.noalias() = K * sigf;
     for (std::int64_t r = 0; r < nb; ++r) {
-      double quad = 0;
-      if (sigma) quad = static_cast<double>(K.row(r).dot(ks.row(r)));
-      const double v = static_cast<double>(lin(r)) * lin_scale + quad / quad_div;
+      const float quad = sigma ? K.row(r).dot(ks.row(r)) : 0.f;
+      const double v = row_math::expected_logit(lin(r), quad, lin_scale, quad_div);
       z[b + r] = v;
       zmax = std::max(zmax, v);
     }

@@ -11,13 +11,16 @@
 // The kept sets equal Policy::select on the CPU for the same spec, inputs and budget (the kernels
 // each equal their CPU stage: tests/agreement; the chain: tests/agreement/test_device_policy.cpp,
 // which runs this runner on a host emulation of the kernels everywhere and on the GPU where
-// there is one).
+// there is one), except with expected attention, whose scores equal the CPU's to fp32 rounding
+// only, so that its kept sets can differ at near-ties.
 //
 // What runs where:
-//   - scorers with a kernel: h2o, snapkv, streaming, tova, knorm, keydiff. A scorer has a device
-//     path when cuda::score(const cuda_backend&, const S&, const Inputs<T>&, MutableScoreView)
-//     and cuda::score_workspace_bytes(S, Inputs<T>) exist (detail::device_scorer); others
-//     (expected, kvzip, plug-ins) are refused by name.
+//   - scorers with a kernel: h2o, snapkv, streaming, tova, knorm, keydiff, expected. A scorer has
+//     a device path when cuda::score(const cuda_backend&, const S&, const Inputs<T>&,
+//     MutableScoreView) and cuda::score_workspace_bytes(S, Inputs<T>) exist
+//     (detail::device_scorer); others (kvzip, plug-ins) are refused by name. Expected
+//     attention's scores equal the CPU's to fp32 rounding (see cuda/expected.hpp), the others'
+//     kept sets are identical.
 //   - allocators: the layer-level ones (pyramid, depthkv) and uniform split the budget from the
 //     shapes alone, so they run on the host, as on the CPU path; adakv runs as a kernel and leaves
 //     the budgets on the device; ams is refused (its segment quotas have a kernel, the chain step
@@ -46,6 +49,7 @@
 
 #include "kvpolicy/cuda/baselines.hpp"
 #include "kvpolicy/cuda/compact.hpp"
+#include "kvpolicy/cuda/expected.hpp"
 #include "kvpolicy/cuda/paged.hpp"
 #include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/select.hpp"

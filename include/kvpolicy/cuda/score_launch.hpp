@@ -10,8 +10,9 @@
 #include "kvpolicy/core/types.hpp"
 #include "kvpolicy/cuda/score_math.hpp"
 #include "kvpolicy/cuda/status.hpp"
+#include "kvpolicy/scorers/h2o.hpp"  // H2O and SnapKV are the kernels' parameter structs
 #include "kvpolicy/scorers/h2o_row.hpp"
-#include "kvpolicy/scorers/snapkv.hpp"  // SnapKV itself is the kernels' parameter struct
+#include "kvpolicy/scorers/snapkv.hpp"
 #include "kvpolicy/scorers/snapkv_row.hpp"
 
 namespace kvpolicy::cuda {
@@ -43,17 +44,18 @@ Status snapkv_workspace_bytes(const TensorRef& keys, const TensorRef& queries,
 Status snapkv_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
                     const SnapKV& p, const MutableScoreView& out);
 
-// H2O::score from queries (no given accumulators): column sums of all given queries' attention,
-// divided by the number of queries that saw each key when `normalize`.
+// H2O::score from queries (no given accumulators): column sums of all given queries' attention
+// (reduced over the group by p.reduce), divided by the number of queries that saw each key when
+// p.normalize.
 Status h2o_workspace_bytes(const TensorRef& keys, const TensorRef& queries, std::size_t& bytes);
 Status h2o_score(const cuda_backend& be, const TensorRef& keys, const TensorRef& queries,
-                 GqaReduce reduce, bool normalize, const MutableScoreView& out);
+                 const H2O& p, const MutableScoreView& out);
 
 // H2O::score from given state (a Session's accumulators, device memory, rows of `state_stride`
-// floats): the accumulators, or divided by the observed-query counts when normalize (then
+// floats): the accumulators, or divided by the observed-query counts when p.normalize (then
 // `observed` must be given). No workspace.
 Status h2o_score_from_state(const cuda_backend& be, const float* accumulated,
-                            const float* observed, std::int64_t state_stride, bool normalize,
+                            const float* observed, std::int64_t state_stride, const H2O& p,
                             const MutableScoreView& out);
 
 }  // namespace kvpolicy::cuda

@@ -113,8 +113,8 @@ void score(const cuda_backend& be, const H2O& s, const Inputs<T>& in,
                     out.tokens == in.tokens() && out.row_stride >= out.tokens,
                 "cuda::score(h2o): output score view must be non-null [", in.layers(), ",",
                 in.kv_heads(), ",", in.tokens(), "] with row_stride >= tokens");
-    throw_if_error(h2o_score_from_state(be, in.accumulated, in.observed, in.state_row_stride(),
-                                        s.normalize, out),
+    throw_if_error(h2o_score_from_state(be, in.accumulated, in.observed, in.state_row_stride(), s,
+                                        out),
                    "cuda::score(h2o)");
     return;
   }
@@ -122,8 +122,7 @@ void score(const cuda_backend& be, const H2O& s, const Inputs<T>& in,
               "h2o: needs accumulated attention or the queries to compute it");
   detail::require_score_args(be, in.keys, in.queries, in.queries.tokens, out,
                              "cuda::score(h2o)");
-  throw_if_error(h2o_score(be, erase(in.keys), erase(in.queries),
-                           s.reduce, s.normalize, out),
+  throw_if_error(h2o_score(be, erase(in.keys), erase(in.queries), s, out),
                  "cuda::score(h2o)");
 }
 

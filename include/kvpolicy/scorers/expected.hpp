@@ -14,6 +14,8 @@
 // The first `sinks` keys are protected and get the layer's highest score + 1, as in kvpress
 // (over every rank's heads under tensor parallelism, core/head_shard.hpp).
 // Defaults follow kvpress: future=512, sinks=4, cov=true, vnorm=true, eps=0.
+// Device path: cuda/expected.hpp (same host setup(), per-thread math in expected_row.hpp; the
+// scores equal these to fp32 rounding of the logits, head_dim up to 256).
 //
 // [ours] Post-RoPE queries, relative rotation. kvpress takes pre-RoPE queries from the hidden
 // states and rotates their statistics to absolute positions P..P+future-1. The library receives
@@ -37,6 +39,7 @@
 
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
+#include "kvpolicy/scorers/expected_row.hpp"
 
 namespace kvpolicy {
 
@@ -90,8 +93,16 @@ struct ExpectedAttention {
   std::int64_t query_window() const { return window; }
   Protect protect(std::int64_t, std::int64_t) const { return {sinks, 0}; }
 
+  // What the CPU stage and the CUDA kernels (cuda/expected.hpp) compute on the host before
+  // touching a key: the checks, the frequencies, the queries used and the averaged rotation.
+  struct Setup {
+    std::vector<float> inv_freq;     // [d/2]
+    std::int64_t nq = 0;             // the newest nq queries are read: q0 = q.tokens - nq
+    std::int64_t skip = 0;           // of them, the first `skip` are sinks' queries, left out
+    std::vector<double> cbar, sbar;  // Rbar = [[cbar, -sbar], [sbar, cbar]] per pair, [d/2]
+  };
   template <Element T>
-  void score(const cpu_backend& be, const Inputs<T>& in, Stats&, ScoreMap& out) const {
+  Setup setup(const Inputs<T>& in) const {
     validate();
     const auto& k = in.keys;
     const auto& q = in.queries;
@@ -103,9 +114,9 @@ struct ExpectedAttention {
     KVP_REQUIRE(d % 2 == 0, "expected: head_dim must be even for RoPE, got ", d);
     KVP_REQUIRE(!vnorm || (in.values.data && in.values.tokens == Tk && in.values.dim == d),
                 "expected: vnorm=true needs the values");
-    std::vector<float> inv_freq;
+    Setup s;
     if (theta > 0) {
-      inv_freq = rope_inv_freq(theta, d);
+      s.inv_freq = rope_inv_freq(theta, d);
     } else {
       KVP_REQUIRE(!in.rope_inv_freq.empty(),
                   "expected: needs the model's RoPE frequencies: give theta=<rope base> in the "
@@ -113,29 +124,44 @@ struct ExpectedAttention {
       KVP_REQUIRE(static_cast<std::int64_t>(in.rope_inv_freq.size()) == d / 2, "expected: ",
                   in.rope_inv_freq.size(), " RoPE frequencies for head_dim ", d, " (want ", d / 2,
                   ")");
-      inv_freq.assign(in.rope_inv_freq.begin(), in.rope_inv_freq.end());
+      s.inv_freq.assign(in.rope_inv_freq.begin(), in.rope_inv_freq.end());
     }
-    const std::int64_t half = d / 2, nq = std::min(window, q.tokens), q0 = q.tokens - nq;
-    // Absolute position of the first query used (the newest sits just before the next token).
+    const std::int64_t half = d / 2;
+    s.nq = std::min(window, q.tokens);
+    // Absolute position of the first query used (the newest sits just before the next token);
+    // query i of the window sits at first_pos + i and is a sink's below `sinks`.
     const std::int64_t first_pos =
-        (in.first_query_position >= 0 ? in.first_query_position + q.tokens : Tk) - nq;
-    // Averaged future rotation per frequency: Rbar = [[cbar, -sbar], [sbar, cbar]].
-    std::vector<double> cbar(static_cast<std::size_t>(half)), sbar(cbar.size());
+        (in.first_query_position >= 0 ? in.first_query_position + q.tokens : Tk) - s.nq;
+    // clamp(sinks - first_pos, 0, nq), without overflow for any sinks >= 0
+    s.skip = sinks <= first_pos ? 0 : sinks - s.nq >= first_pos ? s.nq : sinks - first_pos;
+    // Averaged future rotation per frequency.
+    s.cbar.resize(static_cast<std::size_t>(half));
+    s.sbar.resize(s.cbar.size());
     for (std::int64_t f = 0; f < half; ++f) {
-      double c = 0, s = 0;
+      double c = 0, sn = 0;
       for (std::int64_t j = 0; j < future; ++j) {
-        const double a = static_cast<double>(j) * inv_freq[static_cast<std::size_t>(f)];
+        const double a = row_math::rope_angle(j, s.inv_freq[static_cast<std::size_t>(f)]);
         c += std::cos(a);
-        s += std::sin(a);
+        sn += std::sin(a);
       }
-      cbar[static_cast<std::size_t>(f)] = c / static_cast<double>(future);
-      sbar[static_cast<std::size_t>(f)] = s / static_cast<double>(future);
+      s.cbar[static_cast<std::size_t>(f)] = c / static_cast<double>(future);
+      s.sbar[static_cast<std::size_t>(f)] = sn / static_cast<double>(future);
     }
+    return s;
+  }
+
+  template <Element T>
+  void score(const cpu_backend& be, const Inputs<T>& in, Stats&, ScoreMap& out) const {
+    const Setup st = setup(in);
+    const auto& k = in.keys;
+    const auto& q = in.queries;
+    const std::int64_t L = k.layers, H = k.heads, Tk = k.tokens, d = k.dim;
+    const std::int64_t half = d / 2, nq = st.nq, q0 = q.tokens - nq;
     // The rotation of query i to position P, R(nq - i), per frequency (shared by every head).
     std::vector<double> qcos(static_cast<std::size_t>(nq * half)), qsin(qcos.size());
-    for (std::int64_t i = 0; i < nq; ++i)
+    for (std::int64_t i = st.skip; i < nq; ++i)
       for (std::int64_t f = 0; f < half; ++f) {
-        const double a = static_cast<double>(nq - i) * inv_freq[static_cast<std::size_t>(f)];
+        const double a = row_math::rope_angle(nq - i, st.inv_freq[static_cast<std::size_t>(f)]);
         qcos[static_cast<std::size_t>(i * half + f)] = std::cos(a);
         qsin[static_cast<std::size_t>(i * half + f)] = std::sin(a);
       }
@@ -145,84 +171,62 @@ struct ExpectedAttention {
     cpu::parallel_for(be, L * H, [&](std::int64_t r) {
       const std::int64_t l = r / H, h = r % H;
       const auto ud = static_cast<std::size_t>(d);
-      std::vector<double> qi(ud), mu(ud), sig(ud * ud);
+      std::vector<double> mu(ud), sig(ud * ud), rows;
       std::vector<float> muf(ud), sigf(ud * ud);
       std::vector<double> acc(static_cast<std::size_t>(Tk), 0.0), z(static_cast<std::size_t>(Tk));
-      for (std::int64_t g = 0; g < group; ++g) {
-        const std::int64_t hq = h * group + g;
-        // 1. statistics of the queries rotated to position P (query i sits at P - (nq - i)).
-        std::fill(mu.begin(), mu.end(), 0.0);
-        std::fill(sig.begin(), sig.end(), 0.0);
-        std::int64_t n = 0;
-        std::vector<double> rows;  // the rotated queries, for the covariance's second pass
-        for (std::int64_t i = 0; i < nq; ++i) {
-          if (first_pos + i < sinks) continue;
-          for (std::int64_t f = 0; f < half; ++f) {
-            const auto at = static_cast<std::size_t>(i * half + f);
-            const double c = qcos[at], s = qsin[at];
-            const double x = to_float(q.at(l, hq, q0 + i, f)), w = to_float(q.at(l, hq, q0 + i, f + half));
-            qi[static_cast<std::size_t>(f)] = x * c - w * s;
-            qi[static_cast<std::size_t>(f + half)] = w * c + x * s;
+      const std::int64_t n = nq - st.skip;  // queries whose statistics are taken
+      if (n > 0)
+        for (std::int64_t g = 0; g < group; ++g) {
+          const std::int64_t hq = h * group + g;
+          // 1. statistics of the queries rotated to position P (query i sits at P - (nq - i)).
+          rows.assign(static_cast<std::size_t>(n * d), 0.0);
+          std::fill(mu.begin(), mu.end(), 0.0);
+          for (std::int64_t i = st.skip; i < nq; ++i) {
+            double* qi = rows.data() + (i - st.skip) * d;
+            for (std::int64_t f = 0; f < half; ++f) {
+              const auto at = static_cast<std::size_t>(i * half + f);
+              row_math::rope_pair(to_float(q.at(l, hq, q0 + i, f)),
+                                  to_float(q.at(l, hq, q0 + i, f + half)), qcos[at], qsin[at],
+                                  qi[f], qi[f + half]);
+            }
+            for (std::size_t e = 0; e < ud; ++e) mu[e] += qi[e];
           }
-          for (std::size_t e = 0; e < ud; ++e) mu[e] += qi[e];
-          if (cov) rows.insert(rows.end(), qi.begin(), qi.end());
-          ++n;
-        }
-        if (n == 0) continue;  // every query is a sink's: this head adds nothing
-        for (auto& m : mu) m /= static_cast<double>(n);
-        if (cov) {  // Sigma = Xc^T Xc / n, Xc the centred rotated queries (a double GEMM)
-          cpu::centered_gram(rows.data(), n, d, mu.data(), sig.data());
-        }
-        // 2. Rbar mu and Rbar Sigma Rbar^T, rows then columns.
-        auto rot = [&](auto&& get, auto&& set) {
-          for (std::int64_t f = 0; f < half; ++f) {
-            const double c = cbar[static_cast<std::size_t>(f)], s = sbar[static_cast<std::size_t>(f)];
-            const double x = get(f), w = get(f + half);
-            set(f, x * c - w * s);
-            set(f + half, w * c + x * s);
+          for (auto& m : mu) m /= static_cast<double>(n);
+          if (cov)  // Sigma = Xc^T Xc / n, Xc the centred rotated queries (a double GEMM)
+            cpu::centered_gram(rows.data(), n, d, mu.data(), sig.data());
+          // 2. Rbar mu and Rbar Sigma Rbar^T.
+          for (std::int64_t e = 0; e < d; ++e)
+            muf[static_cast<std::size_t>(e)] = static_cast<float>(row_math::rotate_component(
+                [&](std::int64_t a) { return mu[static_cast<std::size_t>(a)]; }, half,
+                st.cbar.data(), st.sbar.data(), e));
+          if (cov)
+            for (std::int64_t e = 0; e < d; ++e)
+              for (std::int64_t f = 0; f < d; ++f)
+                sigf[static_cast<std::size_t>(e * d + f)] = static_cast<float>(
+                    row_math::rotate_sigma_entry(sig.data(), d, st.cbar.data(), st.sbar.data(), e, f));
+          // 3. log-MGF logits and their softmax over the non-sink keys, in blocks of keys:
+          // lin = K mu and quad_j = k_j . (Sigma k_j) = rowsum(K .* (K Sigma)) (Sigma symmetric),
+          // two fp32 GEMMs per block.
+          const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
+          const double zmax = cpu::key_logits(k, l, h, s_end, Tk, kBlock, muf.data(),
+                                              cov ? sigf.data() : nullptr, inv_sqrt_d,
+                                              2.0 * static_cast<double>(d), z.data());
+          double sum = 0;
+          for (std::int64_t j = s_end; j < Tk; ++j) {
+            auto& v = z[static_cast<std::size_t>(j)];
+            v = std::exp(v - zmax);
+            sum += v;
           }
-        };
-        rot([&](std::int64_t e) { return mu[static_cast<std::size_t>(e)]; },
-            [&](std::int64_t e, double v) { mu[static_cast<std::size_t>(e)] = v; });
-        if (cov) {
-          for (std::size_t col = 0; col < ud; ++col)
-            rot([&](std::int64_t e) { return sig[static_cast<std::size_t>(e) * ud + col]; },
-                [&](std::int64_t e, double v) { sig[static_cast<std::size_t>(e) * ud + col] = v; });
-          for (std::size_t row = 0; row < ud; ++row)
-            rot([&](std::int64_t e) { return sig[row * ud + static_cast<std::size_t>(e)]; },
-                [&](std::int64_t e, double v) { sig[row * ud + static_cast<std::size_t>(e)] = v; });
+          for (std::int64_t j = s_end; j < Tk; ++j)
+            acc[static_cast<std::size_t>(j)] += z[static_cast<std::size_t>(j)] / sum;
         }
-        for (std::size_t e = 0; e < ud; ++e) muf[e] = static_cast<float>(mu[e]);
-        for (std::size_t e = 0; e < ud * ud; ++e) sigf[e] = static_cast<float>(sig[e]);
-        // 3. log-MGF logits and their softmax over the non-sink keys, in blocks of keys:
-        // lin = K mu and quad_j = k_j . (Sigma k_j) = rowsum(K .* (K Sigma)) (Sigma symmetric),
-        // two fp32 GEMMs per block.
-        const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(d));
-        const double zmax = cpu::key_logits(k, l, h, s_end, Tk, kBlock, muf.data(),
-                                            cov ? sigf.data() : nullptr, inv_sqrt_d,
-                                            2.0 * static_cast<double>(d), z.data());
-        double sum = 0;
-        for (std::int64_t j = s_end; j < Tk; ++j) {
-          auto& v = z[static_cast<std::size_t>(j)];
-          v = std::exp(v - zmax);
-          sum += v;
-        }
-        for (std::int64_t j = s_end; j < Tk; ++j)
-          acc[static_cast<std::size_t>(j)] += z[static_cast<std::size_t>(j)] / sum;
-      }
-      // 4. group mean, value norm.
+      // 4. group mean, value norm. (No query left after the sinks': every weight is 0.)
       auto dst = out.row(l, h);
       for (std::int64_t j = s_end; j < Tk; ++j) {
-        double a = acc[static_cast<std::size_t>(j)] / static_cast<double>(group);
-        if (vnorm) {
-          double n2 = 0;
-          for (std::int64_t e = 0; e < d; ++e) {
-            const double x = to_float(in.values.at(l, h, j, e));
-            n2 += x * x;
-          }
-          a = (a + eps) * std::sqrt(n2);
-        }
-        dst[j] = static_cast<float>(a);
+        const double n2 = vnorm ? row_math::value_sqnorm(
+                                      [&](std::int64_t e) { return to_float(in.values.at(l, h, j, e)); }, d)
+                                : 0.0;
+        dst[j] = row_math::expected_finish(acc[static_cast<std::size_t>(j)], group, vnorm, eps, n2);
       }
     });
     // The sinks: the layer's highest score + 1 (kvpress pads them with max + 1); under tensor
