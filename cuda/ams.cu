@@ -1,9 +1,13 @@
-// AMS segments and quotas on the GPU: one thread block per (layer, KV head) row. Thread 0 runs
-// the order-sensitive parts (normalize, prefix sums, cuts, split/merge, quotas: the CPU's exact
-// summation order), all threads the per-segment mass sums and the final shift; see
+// AMS on the GPU: one thread block per (layer, KV head) row in each of three kernels; see
 // include/kvpolicy/allocators/ams_rows.hpp for the row logic and include/kvpolicy/cuda/ams.hpp
-// for the contract. The row logic has no a * b + c pattern, so FMA contraction cannot change a
-// result.
+// for the contracts.
+//  - mass: one thread per sum lane (256); block reductions of the lane sums in the CPU's order.
+//  - segments and quotas: thread 0 runs the order-sensitive parts (normalize, prefix sums, cuts,
+//    split/merge, quotas: the CPU's exact summation order), all threads the per-segment mass sums
+//    and the final shift.
+//  - mark: per segment, 64 block-wide counts find the quota-th largest key, then one masking pass.
+// Where the row logic multiplies and adds it calls fma itself, so FMA contraction cannot change a
+// result. Untuned: the mass kernel reads each row five times, the mark kernel a segment 65 times.
 #include <cstdint>
 
 #include "check.cuh"
@@ -43,6 +47,110 @@ __global__ void __launch_bounds__(ams_block)
   }
 }
 
+__device__ double block_total(double part, double* lanes) {
+  __shared__ double total;
+  lanes[threadIdx.x] = part;
+  __syncthreads();
+  if (threadIdx.x == 0) total = ams::rows::lanes_total(lanes);
+  __syncthreads();
+  const double t = total;
+  __syncthreads();  // total and lanes are rewritten by the next call
+  return t;
+}
+
+constexpr int mass_block = ams::rows::kMassLanes;
+
+__global__ void __launch_bounds__(mass_block) ams_mass_kernel(AmsMass a, AmsMassParams p) {
+  namespace rows = ams::rows;
+  __shared__ double lanes[mass_block];
+  __shared__ float maxes[mass_block];
+  const int t = static_cast<int>(threadIdx.x);
+  const std::int64_t T = a.tokens, pooled = T - (a.window < T ? a.window : T);
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const float* attn = a.attn + r * a.attn_stride;
+    double* mc = a.m_cur + r * T;
+    double* out = a.mass + r * T;
+    float* credit = a.state ? a.state + r * a.state_stride : nullptr;
+    // A: the window's tokens take the pooled maximum (any order: max is exact).
+    float mx = -INFINITY;
+    for (std::int64_t j = t; j < pooled; j += mass_block)
+      mx = fmaxf(mx, rows::mass_pooled(attn, pooled, j, p.kernel));
+    maxes[t] = mx;
+    __syncthreads();
+    for (int s = mass_block / 2; s > 0; s /= 2) {
+      if (t < s) maxes[t] = fmaxf(maxes[t], maxes[t + s]);
+      __syncthreads();
+    }
+    mx = maxes[0];
+    // B: m_cur before normalizing.
+    double part = 0.0;
+    for (std::int64_t j = t; j < T; j += mass_block) {
+      const double v = rows::mass_current(attn, pooled, j, p.kernel, mx);
+      mc[j] = v;
+      part += v;
+    }
+    const double s1 = block_total(part, lanes);
+    // C: m_cur normalized; the credit moves on.
+    part = 0.0;
+    for (std::int64_t j = t; j < T; j += mass_block) {
+      const double m = mc[j] / s1;
+      mc[j] = m;
+      const float c = rows::credit_next(credit ? credit[j] : 0.f, m, p.lambda);
+      if (credit) credit[j] = c;
+      const double v = rows::relu_eps(c);
+      out[j] = v;
+      part += v;
+    }
+    const double s2 = block_total(part, lanes);
+    // D: the mix.
+    part = 0.0;
+    for (std::int64_t j = t; j < T; j += mass_block) {
+      const double v = rows::mass_mix(mc[j], out[j], s2, p.beta);
+      out[j] = v;
+      part += v;
+    }
+    const double s3 = block_total(part, lanes);
+    // E: normalized.
+    for (std::int64_t j = t; j < T; j += mass_block) out[j] /= s3;
+    if (t == 0) {
+      const std::int64_t b = a.budgets[r];
+      a.unprotected_budgets[r] = b >= T ? -1 : b - a.n_protected;
+    }
+    __syncthreads();  // maxes is rewritten by the next row
+  }
+}
+
+constexpr int mark_block = 256;
+
+__global__ void __launch_bounds__(mark_block) ams_mark_kernel(AmsMark a) {
+  __shared__ unsigned long long count;
+  for (std::int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    float* s = a.scores + r * a.row_stride;
+    const std::int64_t ns = a.segments[r], at = r * a.seg_stride;
+    for (std::int64_t i = 0; i < ns; ++i) {
+      const std::int64_t b = a.seg_begin[at + i], e = a.seg_end[at + i], q = a.quota[at + i];
+      const bool all = q >= e - b, none = q <= 0;  // the same in every thread
+      std::uint64_t kth = 0;
+      if (!all && !none)
+        kth = ams::rows::kth_key(q, [&](std::uint64_t trial) {
+          unsigned long long c = 0;
+          for (std::int64_t j = b + threadIdx.x; j < e; j += mark_block)
+            c += topk_key(s[j], static_cast<std::int32_t>(j)) >= trial ? 1 : 0;
+          if (threadIdx.x == 0) count = 0;
+          __syncthreads();
+          atomicAdd(&count, c);
+          __syncthreads();
+          const auto n = static_cast<std::int64_t>(count);
+          __syncthreads();  // count is reset by the next call
+          return n;
+        });
+      for (std::int64_t j = b + threadIdx.x; j < e; j += mark_block)
+        s[j] = ams::rows::mask_score(
+            s[j], all || (!none && topk_key(s[j], static_cast<std::int32_t>(j)) >= kth));
+    }
+  }
+}
+
 }  // namespace
 
 std::size_t ams_rows_workspace_bytes(std::int64_t rows, std::int64_t begin, std::int64_t end) {
@@ -69,6 +177,36 @@ Status ams_segment_quotas(const cuda_backend& be, const AmsRows& a,
   const unsigned grid = static_cast<unsigned>(a.rows < (1 << 20) ? a.rows : (1 << 20));
   ams_rows_kernel<<<grid, ams_block, 0, detail::stream_of(be.stream)>>>(
       a, p, static_cast<unsigned char*>(be.workspace));
+  KVP_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+Status ams_mass(const cuda_backend& be, const AmsMass& a, const AmsMassParams& p) {
+  if (a.rows < 0 || a.tokens < 0 || a.attn_stride < a.tokens || a.window < 1 ||
+      a.n_protected < 0 || (a.state && a.state_stride < a.tokens))
+    return detail::invalid("ams: bad rows, tokens, strides, window or protected count");
+  if (p.kernel < 1 || p.kernel % 2 == 0 || !(p.lambda >= 0 && p.lambda < 1) ||
+      !(p.beta >= 0 && p.beta <= 1))
+    return detail::invalid("ams: bad kernel, lambda or beta");
+  if (a.rows == 0 || a.tokens == 0) return {};
+  if (!a.attn || !a.budgets || !a.m_cur || !a.mass || !a.unprotected_budgets)
+    return detail::invalid("ams: null pointer");
+  const unsigned grid = static_cast<unsigned>(a.rows < (1 << 20) ? a.rows : (1 << 20));
+  ams_mass_kernel<<<grid, mass_block, 0, detail::stream_of(be.stream)>>>(a, p);
+  KVP_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+Status ams_mark(const cuda_backend& be, const AmsMark& a) {
+  if (a.rows < 0 || a.tokens < 0 || a.row_stride < a.tokens || a.seg_stride < 1)
+    return detail::invalid("ams: bad rows, tokens or strides");
+  if (a.tokens > (std::int64_t{1} << 31) - 1)
+    return detail::invalid("ams: tokens exceed the int32 index range");
+  if (a.rows == 0) return {};
+  if (!a.scores || !a.segments || !a.seg_begin || !a.seg_end || !a.quota)
+    return detail::invalid("ams: null pointer");
+  const unsigned grid = static_cast<unsigned>(a.rows < (1 << 20) ? a.rows : (1 << 20));
+  ams_mark_kernel<<<grid, mark_block, 0, detail::stream_of(be.stream)>>>(a);
   KVP_CUDA_TRY(cudaGetLastError());
   return {};
 }

@@ -428,6 +428,23 @@ Status tova_score(const cuda_backend& be, const TensorRef& keys, const TensorRef
   return {};
 }
 
+Status copy_score_rows(const cuda_backend& be, const float* src, std::int64_t src_stride,
+                       const MutableScoreView& out) {
+  if (out.layers < 0 || out.heads < 0 || out.tokens < 0)
+    return detail::invalid("negative output shape");
+  if (out.row_stride < out.tokens || src_stride < out.tokens)
+    return detail::invalid("source or output row stride below tokens");
+  const std::int64_t rows = out.layers * out.heads;
+  if (rows * out.tokens == 0) return {};
+  if (!out.data || !src) return detail::invalid("null source or output pointer");
+  KVP_CUDA_TRY(cudaMemcpy2DAsync(out.data, static_cast<std::size_t>(out.row_stride) * sizeof(float),
+                                 src, static_cast<std::size_t>(src_stride) * sizeof(float),
+                                 static_cast<std::size_t>(out.tokens) * sizeof(float),
+                                 static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice,
+                                 detail::stream_of(be.stream)));
+  return {};
+}
+
 Status streaming_score(const cuda_backend& be, const MutableScoreView& out) {
   if (out.layers < 0 || out.heads < 0 || out.tokens < 0)
     return detail::invalid("negative output shape");

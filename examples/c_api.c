@@ -133,14 +133,16 @@ int main(void) {
 
   /* 3b. The same policy on device tensors: kvp_cuda_compress_plan sizes the workspace and the
    * CSR output of kvp_cuda_compress (device pointers, a cudaStream_t). A stage without a device
-   * path is refused by name; without a GPU the plan itself fails. */
+   * path (here a merger, a Session stage) is refused by name; without a GPU the plan itself
+   * fails. */
   {
     kvp_cuda_plan plan;
-    kvp_policy* kvzip = NULL;
-    CHECK(kvp_policy_create("kvzip | adakv", &kvzip));
-    status = kvp_cuda_compress_plan(kvzip, &params, &k, &v, &q, &plan);
-    printf("kvzip on the GPU -> %s: %s\n", kvp_status_string(status), kvp_last_error());
-    kvp_policy_destroy(kvzip);
+    kvp_policy* merging = NULL;
+    CHECK(kvp_policy_create("snapkv | semantic", &merging));
+    status = kvp_cuda_compress_plan(merging, &params, &k, &v, &q, &plan);
+    printf("snapkv | semantic on the GPU -> %s: %s\n", kvp_status_string(status),
+           kvp_last_error());
+    kvp_policy_destroy(merging);
     if (status != KVP_ERROR_UNSUPPORTED) return 1;
     status = kvp_cuda_compress_plan(snapkv, &params, &k, &v, &q, &plan);
     if (status == KVP_OK)

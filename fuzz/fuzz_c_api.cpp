@@ -268,6 +268,41 @@ const kvp_compress_params* make_params(Ctx& c) {
   return p;
 }
 
+// kvp_compress's per-event inputs (ABI 4: kvzip's scores, ams's credit, RoPE frequencies) over
+// buffers sized for the keys actually passed (rows of the chosen stride), so that what the
+// library must reject is a fuzzed stride or value, never a short buffer. `prm` stays as it was
+// when the keys' extents are too large to back.
+const kvp_compress_params* with_event_inputs(Ctx& c, const kvp_compress_params* prm,
+                                             const kvp_tensor& k) {
+  if (!prm || c.fdp.ConsumeIntegralInRange<int>(0, 3) != 0) return prm;
+  if (k.layers < 0 || k.heads < 0 || k.tokens < 0 || k.dim < 0 || k.layers > 64 ||
+      k.heads > 64 || k.tokens > 4096 || k.dim > 512)
+    return prm;
+  auto* p = c.arena.alloc_n<kvp_compress_params>(1);
+  *p = *prm;
+  const std::int64_t rows = k.layers * k.heads;
+  const auto buffer = [&](std::int64_t& stride) {
+    stride = pick_int(c.fdp, -1, k.tokens + 3);  // -1 and below-T strides are rejected
+    const std::int64_t n = std::max<std::int64_t>(rows * std::max(stride, k.tokens), 1);
+    auto* b = c.arena.alloc_n<float>(static_cast<std::size_t>(n));
+    const kvp_fuzz::Fill f = kvp_fuzz::pick_fill(c.fdp, true);
+    for (std::int64_t i = 0; i < n; ++i)
+      b[i] = kvp_fuzz::fill_value(f, c.rng, static_cast<std::size_t>(i));
+    return b;
+  };
+  if (c.fdp.ConsumeBool()) p->reconstruction = buffer(p->reconstruction_stride);
+  if (c.fdp.ConsumeBool()) p->alloc_state = buffer(p->alloc_state_stride);
+  if (c.fdp.ConsumeBool()) {  // rope_pairs floats (the library checks it against head_dim)
+    p->rope_pairs = pick_int(c.fdp, 0, k.dim / 2 + 1);
+    auto* f = c.arena.alloc_n<float>(static_cast<std::size_t>(p->rope_pairs + 1));
+    const kvp_fuzz::Fill fill = kvp_fuzz::pick_fill(c.fdp, true);
+    for (std::int64_t i = 0; i <= p->rope_pairs; ++i)
+      f[i] = kvp_fuzz::fill_value(fill, c.rng, static_cast<std::size_t>(i));
+    p->rope_inv_freq = f;
+  }
+  return p;
+}
+
 // ---- Plug-in scorers ----------------------------------------------------------------------
 
 enum class Score : std::uint8_t { fill, partial, nonfinite, fail, fail_message, nothing };
@@ -451,6 +486,9 @@ const char* pick_spec(Ctx& c, Arena& arena) {
       "streaming | int2",
       "knorm | int4(group=8)",
       "snapkv(window=1) | kivi",
+      "kvzip(sinks=1) | adakv",
+      "expected(window=1)",
+      "knorm | ams(window=1,min_seg_len=1)",
       "mine",
       "mine | adakv",
       "p1 | pyramid | ams",
@@ -612,8 +650,8 @@ kvp_policy* pick_policy(Ctx& c, World& w) {
 void op_compress(Ctx& c, World& w) {
   const Anchor& a = c.a;
   kvp_policy* p = pick_policy(c, w);
-  const kvp_compress_params* prm = make_params(c);
   kvp_tensor k = make_tensor(c, a.L, a.H, a.T, a.d, a.dtype);
+  const kvp_compress_params* prm = with_event_inputs(c, make_params(c), k);
   kvp_tensor v = make_tensor(c, a.L, a.H, a.T, a.d, a.dtype);
   kvp_tensor q = make_tensor(c, a.L, a.H * a.g, a.nq, a.d, a.dtype);
   SelBuf out = make_selection(c, a.L, a.H, a.T);

@@ -102,10 +102,12 @@ class Policy:
 
     CUDA tensors (torch, CuPy, any DLPack producer) are compressed where they are, on the CUDA
     device path (the README's "A spec-string policy on the GPU"): the same kept sets as on the
-    host (expected attention: see below). Pass keys, values and queries on one device; the device path takes the scorers with
-    a CUDA kernel (snapkv, h2o from queries, tova, knorm, keydiff, streaming, expected) and the
-    allocators uniform, pyramid, depthkv and adakv, and refuses other stages, state arrays
-    (``accumulated``, ...), ``return_scores``, ``shard`` and ``inplace=False`` by name.
+    host (expected attention: see below). Pass keys, values and queries on one device; the
+    device path takes every built-in scorer (snapkv, h2o from queries, tova, knorm, keydiff,
+    streaming, expected, and kvzip with ``reconstruction`` on the same device) and the allocators
+    uniform, pyramid, depthkv, adakv and ams (a first event: no credit state), and refuses
+    mergers and quantizers (Session stages), ``accumulated`` / ``observed``, ``return_scores``,
+    ``shard`` and ``inplace=False`` by name.
     ``rope_inv_freq`` (expected attention) stays a host array there too. Expected attention's
     device scores equal the host's to fp32 rounding, so its kept sets can differ at near-ties. It needs
     kvpolicy built with CUDA (``kvpolicy._core.cuda_built``; ``pip install . -C
@@ -263,6 +265,10 @@ class Policy:
             if d is None:
                 raise ValueError(f"{name}: a host array while another tensor is on DLPack "
                                  f"device {device}; pass keys, values and queries on one device")
+        rec = extra.pop("reconstruction", None)
+        if rec is not None and dlpack_device(rec) is None:
+            raise ValueError("reconstruction: a host array while the cache is on a CUDA device; "
+                             "pass the scores on the cache's device")
         for name, x in extra.items():
             if x is not None:
                 raise ValueError(f"{name}: not taken by the device path (CUDA tensors); use "
@@ -276,8 +282,10 @@ class Policy:
         # DLPack's stream argument: 1 = the legacy default stream, else the handle.
         dl_stream = 1 if not stream else stream
         caps = [None if x is None else x.__dlpack__(stream=dl_stream) for _, x in tensors]
+        rec_cap = None if rec is None else rec.__dlpack__(stream=dl_stream)
         idx, counts, _, warning = self._p._run_device(*caps, kind, value, first_layer,
-                                                      model_layers, compact, stream or 0, freqs)
+                                                      model_layers, compact, stream or 0, freqs,
+                                                      rec_cap)
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=4)
         keys, values = tensors[0][1], tensors[1][1]

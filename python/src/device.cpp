@@ -105,6 +105,48 @@ DeviceTensor borrow(const py::handle& capsule, const char* what) {
   return d;
 }
 
+// kvzip's reconstruction scores on the device: float32 [L][Hkv][T] (or [Hkv][T] with a 3-d
+// cache), shaped like the keys' first three axes, unit token stride and evenly spaced rows (what
+// Inputs::reconstruction with Inputs::state_stride describes). Returns the row stride.
+std::int64_t score_rows_of(const py::handle& capsule, const DeviceTensor& keys, const char* what,
+                           const float** data) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dltensor"))
+    type_error(what, ": expected a DLPack capsule named 'dltensor' (what __dlpack__() returns), got ",
+               type_name(capsule), " (a consumed capsule cannot be used twice)");
+  const DLTensor& t =
+      static_cast<const DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"))
+          ->dl_tensor;
+  if (static_cast<std::int32_t>(t.device.device_type) != keys.device_type ||
+      t.device.device_id != keys.device_id)
+    value_error(what, ": on ", device_name(static_cast<std::int32_t>(t.device.device_type)), ":",
+                t.device.device_id, " but keys are on ", device_name(keys.device_type), ":",
+                keys.device_id, " (pass every tensor on one device)");
+  if (t.dtype.code != kDLFloat || t.dtype.bits != 32 || t.dtype.lanes != 1)
+    type_error(what, ": expected float32 scores");
+  if (t.ndim != keys.ndim - 1)
+    value_error(what, ": expected ", keys.ndim - 1, " dimensions (the keys' without head_dim), got ",
+                t.ndim);
+  const int skip = 3 - t.ndim;
+  std::int64_t shape[3] = {1, 1, 1}, strides[3] = {0, 0, 0}, row_major = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    shape[skip + i] = t.shape[i];
+    strides[skip + i] = t.strides ? t.strides[i] : row_major;
+    row_major *= std::max<std::int64_t>(t.shape[i], 1);
+  }
+  const std::int64_t L = keys.shape[0], H = keys.shape[1], T = keys.shape[2];
+  if (shape[0] != L || shape[1] != H || shape[2] != T)
+    value_error(what, ": shape [", shape[0], ",", shape[1], ",", shape[2],
+                "] does not match the keys' [", L, ",", H, ",", T, "]");
+  const std::int64_t row = H > 1 ? strides[1] : (L > 1 ? strides[0] : T);
+  if ((T > 1 && strides[2] != 1) || (H > 1 && L > 1 && strides[0] != H * row) || row < T)
+    value_error(what, ": rows must be contiguous and evenly spaced ([L][H] rows of T floats); "
+                "pass a contiguous copy");
+  *data = reinterpret_cast<const float*>(static_cast<const char*>(t.data) + t.byte_offset);
+  if (reinterpret_cast<std::uintptr_t>(*data) % alignof(float) != 0)
+    value_error(what, ": data pointer is not 4-byte aligned");
+  return row;
+}
+
 template <class T>
 kvpolicy::KVView<T> view_of(const DeviceTensor& d) {
   return {static_cast<T*>(d.data), d.shape[0],   d.shape[1],   d.shape[2],  d.shape[3],
@@ -124,10 +166,13 @@ std::pair<std::uintptr_t, std::uintptr_t> extent(const kvpolicy::KVView<T>& v) {
 template <class T>
 py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
               const DeviceTensor* qd, const Budget& budget, const kvpolicy::EventInfo& ev,
-              bool compact, std::uintptr_t stream, std::span<const float> rope_inv_freq) {
+              bool compact, std::uintptr_t stream, std::span<const float> rope_inv_freq,
+              const float* reconstruction, std::int64_t reconstruction_stride) {
   kvpolicy::KVView<T> k = view_of<T>(kd), v;
   kvpolicy::Inputs<T> in;
   in.keys = k;
+  in.reconstruction = reconstruction;  // device memory (kvzip)
+  in.state_stride = reconstruction ? reconstruction_stride : 0;
   if (vd) {
     v = view_of<T>(*vd);
     in.values = v;
@@ -163,8 +208,11 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
 py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& values,
                      const py::handle& queries, char kind, double value, std::int64_t first_layer,
                      std::int64_t model_layers, bool compact, std::uintptr_t stream,
-                     const std::vector<float>& rope_inv_freq) {
+                     const std::vector<float>& rope_inv_freq, const py::handle& reconstruction) {
   const DeviceTensor k = borrow(keys, "keys");
+  const float* rec = nullptr;
+  const std::int64_t rec_stride =
+      reconstruction.is_none() ? 0 : score_rows_of(reconstruction, k, "reconstruction", &rec);
   std::optional<DeviceTensor> v, q;
   if (!values.is_none()) v = borrow(values, "values");
   if (!queries.is_none()) q = borrow(queries, "queries");
@@ -189,11 +237,14 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
   const DeviceTensor* qp = q ? &*q : nullptr;
   switch (k.dtype) {
     case kvpolicy::DType::f32:
-      return run<float>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
+      return run<float>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq, rec,
+                        rec_stride);
     case kvpolicy::DType::f16:
-      return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
+      return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq, rec,
+                                 rec_stride);
     case kvpolicy::DType::bf16:
-      return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq);
+      return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq,
+                                     rec, rec_stride);
   }
   value_error("keys: unknown dtype");
 }
@@ -203,7 +254,8 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
 void bind_policy_device(py::class_<Policy>& cls) {
   cls.def("_run_device", &run_device, py::arg("keys"), py::arg("values"), py::arg("queries"),
           py::arg("kind"), py::arg("value"), py::arg("first_layer"), py::arg("model_layers"),
-          py::arg("compact"), py::arg("stream"), py::arg("rope_inv_freq"));
+          py::arg("compact"), py::arg("stream"), py::arg("rope_inv_freq"),
+          py::arg("reconstruction") = py::none());
 }
 
 bool cuda_built() {

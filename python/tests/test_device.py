@@ -149,13 +149,39 @@ def test_the_producers_are_asked_for_the_callers_stream(rng):
         p.select(k, v, stream=5)
 
 
-def test_stages_without_a_device_path_are_named(rng):
+def test_kvzip_takes_reconstruction_scores_on_the_cache_device_and_ams_runs_there(rng):
     k, v = cache(rng)
     dk, dv, dq = _device(k, v, _queries(rng))
-    with pytest.raises(ValueError, match="scorer 'kvzip' has no CUDA kernel.*expected"):
-        kvpolicy.Policy("kvzip").select(dk, dv, dq, budget=0.5)
-    with pytest.raises(ValueError, match="allocator 'ams' has no device path"):
-        kvpolicy.Policy("snapkv(window=8) | ams").select(dk, dv, dq, budget=0.5)
+    L, H, T = k.shape[:3]
+    rec = rng.random((L, H, T)).astype(np.float32)
+    p = kvpolicy.Policy("kvzip | adakv")
+    with pytest.raises(ValueError, match="reconstruction scores are required"):
+        p.select(dk, dv, dq, budget=0.5)
+    with _after_checks():
+        p.select(dk, dv, dq, budget=0.5, reconstruction=FakeDeviceTensor(rec))
+    # Rows padded to a longer stride are taken; a one-layer cache takes [H][T] scores.
+    wide = rng.random((L, H, T + 5)).astype(np.float32)
+    with _after_checks():
+        p.compress(dk, dv, dq, budget=0.5, reconstruction=FakeDeviceTensor(wide[:, :, :T]))
+    with _after_checks():
+        p.select(dk[0], dv[0], dq[0], budget=0.5, reconstruction=FakeDeviceTensor(rec[0]))
+    with pytest.raises(ValueError, match="reconstruction: a host array"):
+        p.select(dk, dv, dq, budget=0.5, reconstruction=rec)
+    with pytest.raises(ValueError, match=r"reconstruction: shape \[2,3,9\] does not match"):
+        p.select(dk, dv, dq, budget=0.5, reconstruction=FakeDeviceTensor(rec[:, :, :9]))
+    with pytest.raises(TypeError, match="reconstruction: expected float32"):
+        p.select(dk, dv, dq, budget=0.5,
+                 reconstruction=FakeDeviceTensor(rec.astype(np.float16)))
+    with pytest.raises(ValueError, match="reconstruction: rows must be contiguous"):
+        p.select(dk, dv, dq, budget=0.5,
+                 reconstruction=FakeDeviceTensor(np.ascontiguousarray(
+                     rec.transpose(1, 0, 2)).transpose(1, 0, 2)))
+    with pytest.raises(ValueError, match="reconstruction: on cuda:7"):
+        p.select(dk, dv, dq, budget=0.5, reconstruction=FakeDeviceTensor(rec, device=(2, 7)))
+    # ams: window attention and the credit kernels on the device (a first event).
+    with _after_checks():
+        kvpolicy.Policy("snapkv(window=8) | adakv | ams(window=8,min_seg_len=4)").compress(
+            dk, dv, dq, budget=0.5)
 
 
 def test_expected_attention_takes_the_rope_frequencies_as_a_host_array(rng):

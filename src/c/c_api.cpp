@@ -74,6 +74,12 @@ extern "C" kvp_compress_params kvp_compress_default_params(void) {
   p.compact = 1;
   p.threads = 0;
   p.shard = nullptr;
+  p.reconstruction = nullptr;
+  p.reconstruction_stride = 0;
+  p.alloc_state = nullptr;
+  p.alloc_state_stride = 0;
+  p.rope_inv_freq = nullptr;
+  p.rope_pairs = 0;
   return p;
 }
 
@@ -329,6 +335,7 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
         in.keys = k;
         in.values = v;
         if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+        apply_event_inputs(prm, in, ev);
         check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
         if (!exchanges) detail::require_finite_inputs(in);  // (else the selection checks them)
         const cpu_backend be{prm.threads};
@@ -648,8 +655,8 @@ extern "C" kvp_status kvp_cuda_compact(const kvp_tensor*, const kvp_csr*, void*,
 namespace {
 
 // The checks kvp_cuda_compress_plan and kvp_cuda_compress share (both builds, before anything
-// touches the device), then f(policy, params, budget, inputs, keys, values) with the event's
-// views of device memory (nothing is read through them here).
+// touches the device), then f(policy, params, budget, inputs, keys, values, event) with the
+// event's views of device memory (nothing is read through them here).
 template <class F>
 void with_device_event(const kvp_policy* policy, const kvp_compress_params* params,
                        const kvp_tensor* keys, const kvp_tensor* values, const kvp_tensor* queries,
@@ -675,7 +682,12 @@ void with_device_event(const kvp_policy* policy, const kvp_compress_params* para
     in.keys = k;
     in.values = v;
     if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
-    f(p, prm, budget, in, k, v);
+    EventInfo ev;
+    apply_event_inputs(prm, in, ev);
+    // The event's host checks (shapes, inputs the stages need, budgets), in builds without CUDA
+    // too, before anything is sized or launched.
+    (void)cuda::detail::setup_event(p, in, budget, ev);
+    f(p, prm, budget, in, k, v, ev);
   });
 }
 
@@ -690,9 +702,9 @@ extern "C" kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
     KVP_C_NONNULL(out, "out");
     with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress_plan",
                       [&](const Policy& p, const kvp_compress_params&, const Budget& budget,
-                          const auto& in, const auto&, const auto&) {
+                          const auto& in, const auto&, const auto&, const EventInfo& ev) {
                         const cuda::PolicyPlan plan =
-                            cuda_call([&] { return cuda::plan(p, in, budget); });
+                            cuda_call([&] { return cuda::plan(p, in, budget, ev); });
                         *out = {plan.workspace_bytes, plan.rows, plan.kept_capacity};
                       });
   });
@@ -708,8 +720,8 @@ extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
     with_device_event(
         policy, params, keys, values, queries, "kvp_cuda_compress",
         [&](const Policy& p, const kvp_compress_params& prm, const Budget& budget, const auto& in,
-            const auto& k, const auto& v) {
-          const cuda::PolicyPlan plan = cuda_call([&] { return cuda::plan(p, in, budget); });
+            const auto& k, const auto& v, const EventInfo& ev) {
+          const cuda::PolicyPlan plan = cuda_call([&] { return cuda::plan(p, in, budget, ev); });
           if (workspace_bytes < plan.workspace_bytes)
             raise(KVP_ERROR_BUFFER_TOO_SMALL,
                   "kvpolicy: kvp_cuda_compress: workspace_bytes is " +
@@ -725,8 +737,8 @@ extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
           cuda::CsrSelection sel = csr_of(*out);
           const cuda_backend be{stream, workspace, workspace_bytes};
           const cuda::PolicyEvent e = cuda_call([&] {
-            return prm.compact ? cuda::compress(be, p, k, v, in, budget, sel)
-                               : cuda::select(be, p, in, budget, sel);
+            return prm.compact ? cuda::compress(be, p, k, v, in, budget, sel, ev)
+                               : cuda::select(be, p, in, budget, sel, ev);
           });
           set_warning(e.warning);
         });

@@ -162,6 +162,31 @@ inline void require_no_shard(const kvp_compress_params& p, const char* call) {
                                      "supported by kvp_compress only");
 }
 
+// kvp_compress_params' per-event inputs (ABI 4): into the event's Inputs and EventInfo.
+template <class T>
+void apply_event_inputs(const kvp_compress_params& p, Inputs<T>& in, EventInfo& ev) {
+  KVP_REQUIRE(p.reconstruction_stride >= 0 && p.alloc_state_stride >= 0 && p.rope_pairs >= 0,
+              "params: negative reconstruction_stride, alloc_state_stride or rope_pairs");
+  KVP_REQUIRE(!p.rope_pairs || p.rope_inv_freq, "params.rope_inv_freq is NULL but rope_pairs is ",
+              p.rope_pairs);
+  KVP_REQUIRE(!p.rope_inv_freq || p.rope_pairs > 0,
+              "params.rope_inv_freq is set but rope_pairs is 0 (head_dim / 2 frequencies)");
+  in.reconstruction = p.reconstruction;
+  in.state_stride = p.reconstruction ? p.reconstruction_stride : 0;
+  ev.alloc_state = p.alloc_state;
+  ev.alloc_state_stride = p.alloc_state ? p.alloc_state_stride : 0;
+  if (p.rope_inv_freq)
+    in.rope_inv_freq = {p.rope_inv_freq, static_cast<std::size_t>(p.rope_pairs)};
+}
+
+// Batches and paged caches take no per-event inputs (kvp_compress and kvp_cuda_compress do).
+inline void require_no_event_inputs(const kvp_compress_params& p, const char* call) {
+  if (p.reconstruction || p.alloc_state || p.rope_inv_freq)
+    raise(KVP_ERROR_UNSUPPORTED, std::string("kvpolicy: ") + call +
+                                     ": params.reconstruction, alloc_state and rope_inv_freq "
+                                     "are taken by kvp_compress and kvp_cuda_compress only");
+}
+
 inline void require_policy_stages_dense(const Policy& p, const char* call) {
   if (p.merger() || p.quantizer())
     raise(KVP_ERROR_UNSUPPORTED,

@@ -40,6 +40,7 @@ extern "C" kvp_status kvp_compress_batch(const kvp_policy* policy, const kvp_com
     kvp_compress_params storage;
     const kvp_compress_params& prm = params_or_default(params, storage);
     require_no_shard(prm, "kvp_compress_batch");
+    require_no_event_inputs(prm, "kvp_compress_batch");
     KVP_REQUIRE(out || prm.compact, "out is NULL and params.compact is 0: nothing to do");
     const Policy& p = policy->policy;
     require_policy_stages_dense(p, "kvp_compress_batch");
@@ -146,6 +147,7 @@ extern "C" kvp_status kvp_compress_paged(const kvp_policy* policy, const kvp_com
     kvp_compress_params storage;
     const kvp_compress_params& prm = params_or_default(params, storage);
     require_no_shard(prm, "kvp_compress_paged");
+    require_no_event_inputs(prm, "kvp_compress_paged");
     KVP_REQUIRE(prm.compact, "kvp_compress_paged always compacts: params.compact must be set");
     const Policy& p = policy->policy;
     require_policy_stages_dense(p, "kvp_compress_paged");

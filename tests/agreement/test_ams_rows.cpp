@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -136,6 +138,167 @@ TEST_CASE("AMS row logic (emulated kernel) equals ams::segments and ams::quotas 
   }
   CHECK(compared > 500);
   CHECK(rejected > 0);  // budgets above the row were rejected by both
+}
+
+namespace {
+// The mass kernel's row (cuda/ams.cu) on the host: thread t handles tokens t, t + 256, ...; the
+// threads run in reverse order (a kernel's threads run in any), the block totals add the lane
+// sums in lane order.
+std::vector<double> emulated_mass(const AMS& a, const std::vector<float>& attn, std::int64_t w,
+                                  float* credit) {
+  namespace rows = ams::rows;
+  constexpr int L = rows::kMassLanes;
+  const auto T = static_cast<std::int64_t>(attn.size());
+  const std::int64_t pooled = T - std::min(w, T);
+  std::vector<double> mc(static_cast<std::size_t>(T)), out(static_cast<std::size_t>(T));
+  double lanes[L];
+  float mx = -INFINITY;
+  for (int t = L - 1; t >= 0; --t)
+    for (std::int64_t j = t; j < pooled; j += L)
+      mx = std::max(mx, rows::mass_pooled(attn.data(), pooled, j, a.kernel));
+  const auto phase = [&](auto&& per_token) {
+    for (int t = L - 1; t >= 0; --t) {
+      double part = 0.0;
+      for (std::int64_t j = t; j < T; j += L) part += per_token(static_cast<std::size_t>(j));
+      lanes[t] = part;
+    }
+    return rows::lanes_total(lanes);
+  };
+  const double s1 = phase([&](std::size_t j) {
+    return mc[j] = rows::mass_current(attn.data(), pooled, static_cast<std::int64_t>(j),
+                                      a.kernel, mx);
+  });
+  const double s2 = phase([&](std::size_t j) {
+    mc[j] /= s1;
+    const float c = rows::credit_next(credit ? credit[j] : 0.f, mc[j], a.lambda);
+    if (credit) credit[j] = c;
+    return out[j] = rows::relu_eps(c);
+  });
+  const double s3 =
+      phase([&](std::size_t j) { return out[j] = rows::mass_mix(mc[j], out[j], s2, a.beta); });
+  for (double& x : out) x /= s3;
+  return out;
+}
+
+// AMS steps 1-2 as algorithms.md states them, with plain serial sums: the reference the lane
+// order must stay close to.
+std::vector<double> spec_mass(const AMS& a, const std::vector<float>& attn, std::int64_t w,
+                              std::vector<float>& credit) {
+  const auto T = static_cast<std::int64_t>(attn.size());
+  const std::int64_t n = T - std::min(w, T);
+  auto normalize = [](std::vector<double>& x) {
+    double s = 0;
+    for (double& v : x) s += (v = std::max(v, 0.0) + 1e-12);
+    for (double& v : x) v /= s;
+  };
+  std::vector<double> cur(static_cast<std::size_t>(T), 1.0);
+  if (n > 0) {
+    double mx = -1e300;
+    std::vector<double> pooled(static_cast<std::size_t>(n));
+    for (std::int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (std::int64_t t = j - a.kernel / 2; t <= j + a.kernel / 2; ++t)
+        if (t >= 0 && t < n) s += attn[static_cast<std::size_t>(t)];
+      pooled[static_cast<std::size_t>(j)] = static_cast<float>(s / a.kernel);  // fp32 scores
+      mx = std::max(mx, pooled[static_cast<std::size_t>(j)]);
+    }
+    for (std::int64_t j = 0; j < T; ++j)
+      cur[static_cast<std::size_t>(j)] = j < n ? pooled[static_cast<std::size_t>(j)] : mx;
+  }
+  normalize(cur);
+  std::vector<double> c(cur.size()), m(cur.size());
+  for (std::size_t j = 0; j < cur.size(); ++j)
+    c[j] = credit[j] = static_cast<float>(a.lambda * credit[j] + (1 - a.lambda) * cur[j]);
+  normalize(c);
+  for (std::size_t j = 0; j < cur.size(); ++j) m[j] = a.beta * cur[j] + (1 - a.beta) * c[j];
+  normalize(m);
+  return m;
+}
+}  // namespace
+
+TEST_CASE("AMS mass (emulated kernel: 256 lanes, threads in any order) equals AMS::mass bit for "
+          "bit, and the spec's serial sums to 1e-12", "[agreement][allocators][ams]") {
+  std::mt19937 rng(5);
+  std::exponential_distribution<double> ex(1.0);
+  std::size_t compared = 0;
+  for (std::int64_t T : {1, 5, 40, 300, 700})
+    for (std::int64_t w : {1, 8, 32, 1000})
+      for (int kernel : {1, 3, 5}) {
+        AMS a;
+        a.kernel = kernel;
+        std::vector<float> attn(static_cast<std::size_t>(T));
+        for (auto& x : attn) x = rng() % 4 == 0 ? 0.f : static_cast<float>(ex(rng));
+        std::vector<float> prev(attn.size());
+        for (auto& x : prev) x = static_cast<float>(1e-3 * ex(rng));
+        for (bool with_credit : {false, true}) {
+          INFO("T=" << T << " w=" << w << " kernel=" << kernel << " credit=" << with_credit);
+          std::vector<float> c_cpu = prev, c_dev = prev, c_spec = prev;
+          std::vector<float> zero(attn.size(), 0.f);
+          const std::vector<double> want =
+              a.mass(attn, w, with_credit ? std::span<float>(c_cpu) : std::span<float>(zero));
+          const std::vector<double> got =
+              emulated_mass(a, attn, w, with_credit ? c_dev.data() : nullptr);
+          REQUIRE(std::memcmp(got.data(), want.data(), want.size() * sizeof(double)) == 0);
+          if (with_credit) REQUIRE(c_dev == c_cpu);
+          if (!with_credit) std::fill(c_spec.begin(), c_spec.end(), 0.f);
+          const std::vector<double> ref = spec_mass(a, attn, w, c_spec);
+          for (std::size_t j = 0; j < ref.size(); ++j)
+            REQUIRE(want[j] == Approx(ref[j]).epsilon(1e-12).margin(1e-15));
+          ++compared;
+        }
+      }
+  CHECK(compared == 120);
+}
+
+TEST_CASE("AMS candidates by the kernel's bitwise k-th key search equal ams::mark_candidates",
+          "[agreement][allocators][ams]") {
+  std::mt19937 rng(9);
+  std::size_t segments = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t T = 1 + static_cast<std::int64_t>(rng() % 300);
+    std::vector<float> scores(static_cast<std::size_t>(T));
+    for (auto& x : scores) {
+      const unsigned kind = rng() % 10;
+      x = kind == 0   ? -INFINITY
+          : kind == 1 ? INFINITY
+          : kind < 5  ? static_cast<float>(static_cast<int>(rng() % 3) - 1)  // ties, +-0
+                      : std::ldexp(static_cast<float>(rng() % 1000) - 500.f, -7);
+    }
+    // Random segments covering [0, T) and quotas in [0, len].
+    std::vector<ams::Segment> segs;
+    for (std::int64_t b = 0; b < T;) {
+      const std::int64_t e = std::min(T, b + 1 + static_cast<std::int64_t>(rng() % 40));
+      segs.push_back({b, e});
+      b = e;
+    }
+    std::vector<std::int64_t> quota;
+    for (const auto& sg : segs)
+      quota.push_back(static_cast<std::int64_t>(rng() % static_cast<unsigned>(sg.size() + 1)));
+    std::vector<char> want;
+    ams::mark_candidates(scores, segs, quota, want);
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      const std::int64_t b = segs[i].begin, e = segs[i].end, q = quota[i];
+      const bool all = q >= e - b, none = q <= 0;
+      std::uint64_t kth = 0;
+      if (!all && !none)
+        kth = ams::rows::kth_key(q, [&](std::uint64_t t) {
+          std::int64_t c = 0;
+          for (std::int64_t j = b; j < e; ++j)
+            c += topk_key(scores[static_cast<std::size_t>(j)], static_cast<std::int32_t>(j)) >= t;
+          return c;
+        });
+      for (std::int64_t j = b; j < e; ++j) {
+        const float x = scores[static_cast<std::size_t>(j)];
+        const bool cand = all || (!none && topk_key(x, static_cast<std::int32_t>(j)) >= kth);
+        INFO("trial " << trial << " segment " << i << " token " << j);
+        REQUIRE(cand == static_cast<bool>(want[static_cast<std::size_t>(j)]));
+        const float masked = ams::rows::mask_score(x, cand);
+        REQUIRE(masked == (!cand ? -INFINITY : x == -INFINITY ? -FLT_MAX : x));
+      }
+      ++segments;
+    }
+  }
+  CHECK(segments > 1000);
 }
 
 using kvtest::gpu_present;

@@ -30,6 +30,7 @@ constexpr std::int64_t kL = 3, kH = 3, kG = 2, kT = 97, kD = 8, kQ = 20;
 
 struct Model {
   kvtest::Tensor<float> k, v, q;
+  std::vector<float> rec;  // context-reconstruction scores [L][H][tokens] (kvzip)
 
   Model(std::uint64_t seed, bool ties, std::int64_t tokens = kT) {
     kvtest::Rng rng(seed);
@@ -41,12 +42,15 @@ struct Model {
     k = kvtest::make_tensor<float>(kL, kH, tokens, kD, values(kH, tokens));
     v = kvtest::make_tensor<float>(kL, kH, tokens, kD, values(kH, tokens));
     q = kvtest::make_tensor<float>(kL, kH * kG, kQ, kD, values(kH * kG, kQ));
+    for (double x : values(kH, tokens / kD + 1)) rec.push_back(static_cast<float>(x));
+    rec.resize(static_cast<std::size_t>(kL * kH * tokens));
   }
   Inputs<float> inputs() const {
     Inputs<float> in;
     in.keys = k.view();
     in.values = v.view();
     in.queries = q.view();
+    in.reconstruction = rec.data();
     return in;
   }
 };
@@ -150,7 +154,12 @@ const std::vector<std::string>& chains() {
                                              " | depthkv(weights=0.2:1:3) | adakv",
                                              " | uniform | adakv | uniform",
                                              " | adakv | adakv(alpha=0.5)",
-                                             " | adakv | semantic | int2"};
+                                             " | adakv | semantic | int2",
+                                             " | ams(window=8,min_seg_len=4,max_seg_len=16,"
+                                             "sinks=2,keep_last=4)",
+                                             " | pyramid | adakv | ams(window=32,kernel=3,"
+                                             "segment_mass=0.1,min_seg_len=3,min_keep=2,"
+                                             "sinks=1,keep_last=3)"};
   return c;
 }
 std::vector<Budget> budgets() {
@@ -161,9 +170,9 @@ std::vector<Budget> budgets() {
 
 TEST_CASE("device policy (emulated kernels): every device scorer x allocator chain keeps the CPU's sets",
           "[agreement][device_policy]") {
-  // At least the seven with kernels today (h2o, snapkv, streaming, tova, knorm, keydiff,
-  // expected); a new device scorer joins the list from the registry.
-  REQUIRE(scorers().size() >= 7);
+  // Every registered scorer has a device path today (h2o, snapkv, streaming, tova, knorm,
+  // keydiff, expected, kvzip); a new device scorer joins the list from the registry.
+  REQUIRE(scorers().size() == std::tuple_size_v<scorer_types>);
   for (bool ties : {false, true}) {
     const Model m(ties ? 11 : 7, ties);
     const Inputs<float> in = m.inputs();
@@ -182,7 +191,7 @@ TEST_CASE("device policy (emulated kernels): every device scorer x allocator cha
           REQUIRE(got.event.protect.recent == want_protect.recent);
           REQUIRE(got.event.warning == want.warning());
           // The chain the runner built: the budgets uploaded first, one score, one adakv kernel per
-          // adakv stage, the selection.
+          // adakv stage, the ams step, the selection.
           const bool evicts = b.kind() != Budget::Kind::ratio || b.value() < 1.0;
           REQUIRE(got.event.evicts == evicts);
           std::vector<std::string> calls = {"upload"};
@@ -190,8 +199,10 @@ TEST_CASE("device policy (emulated kernels): every device scorer x allocator cha
             calls.push_back("score:streaming");
           } else {
             calls.push_back("score:" + std::string(p.scorer_name()));
-            for (const auto& a : p.allocators())
+            for (const auto& a : p.allocators()) {
               if (std::holds_alternative<AdaKV>(a)) calls.push_back("adakv:device");
+              if (std::holds_alternative<AMS>(a)) calls.push_back("ams:device");
+            }
           }
           calls.push_back("select:device");
           REQUIRE(got.calls == calls);
@@ -381,14 +392,42 @@ TEST_CASE("device policy (emulated kernels): a ragged batch equals compress_batc
   }
 }
 
+TEST_CASE("device policy (emulated kernels): ams carries its credit state across events as the "
+          "CPU does", "[agreement][device_policy]") {
+  const Model m(13, false);
+  const Inputs<float> in = m.inputs();
+  const Policy p("knorm | adakv | ams(window=8,min_seg_len=4,max_seg_len=16,sinks=2,keep_last=4)");
+  const std::int64_t stride = kT + 3;  // a state row longer than the event's tokens
+  std::vector<float> cpu_state(static_cast<std::size_t>(kL * kH * stride), 0.f);
+  std::vector<float> dev_state = cpu_state;
+  for (const Budget& b : {Budget::ratio(0.4), Budget::tokens(30), Budget::ratio(1.0)}) {
+    EventInfo cpu_ev, dev_ev;
+    cpu_ev.alloc_state = cpu_state.data();
+    dev_ev.alloc_state = dev_state.data();
+    cpu_ev.alloc_state_stride = dev_ev.alloc_state_stride = stride;
+    const Selection want = p.select(cpu_backend{}, in, b, cpu_ev);
+    const EmulatedRun got = run_emulated(p, in, b, dev_ev);
+    require_same_rows(want, got.sel);
+    // Every event moves the credit on (a keep-all one scores nothing, so it moves none), and the
+    // padding past the event's tokens is never written.
+    REQUIRE(dev_state == cpu_state);
+    for (std::int64_t r = 0; r < kL * kH; ++r)
+      for (std::int64_t j = kT; j < stride; ++j)
+        REQUIRE(dev_state[static_cast<std::size_t>(r * stride + j)] == 0.f);
+  }
+  REQUIRE(std::any_of(cpu_state.begin(), cpu_state.end(), [](float x) { return x > 0.f; }));
+}
+
 TEST_CASE("device policy: stages without a device path, and bad arguments, are refused by name",
           "[agreement][device_policy]") {
   const Model m(5, false);
   const Inputs<float> in = m.inputs();
   const Budget b = Budget::ratio(0.3);
-  REQUIRE_THROWS_WITH(plan_emulated(Policy("kvzip"), in, b), Contains("scorer 'kvzip' has no CUDA kernel"));
-  REQUIRE_THROWS_WITH(plan_emulated(Policy("snapkv(window=16) | ams"), in, b),
-                      Contains("allocator 'ams' has no device path"));
+  const External mine(External::Spec{"mine", Needs::keys, 0, {}, [](const ExternalInputs&, std::span<float> s) {
+                                       std::fill(s.begin(), s.end(), 1.f);
+                                     }});
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("mine | adakv", std::span<const External>(&mine, 1)), in, b),
+                      Contains("scorer 'mine' has no CUDA kernel"));
   // The scorer's own checks, as on the CPU path: the default snapkv window wants 64 queries (20
   // given).
   REQUIRE_THROWS_WITH(Policy("snapkv").select(cpu_backend{}, in, b), Contains("queries"));
@@ -450,11 +489,13 @@ TEST_CASE("device policy on the GPU: every device scorer x allocator chain keeps
   for (bool ties : {false, true}) {
     Model m(ties ? 11 : 7, ties);
     const Inputs<float> host = m.inputs();
-    auto dk = kvtest::upload(m.k.buf), dv = kvtest::upload(m.v.buf), dq = kvtest::upload(m.q.buf);
+    auto dk = kvtest::upload(m.k.buf), dv = kvtest::upload(m.v.buf), dq = kvtest::upload(m.q.buf),
+         dr = kvtest::upload(m.rec);
     Inputs<float> in = host;
     in.keys.data = static_cast<const float*>(dk.data());
     in.values.data = static_cast<const float*>(dv.data());
     in.queries.data = static_cast<const float*>(dq.data());
+    in.reconstruction = static_cast<const float*>(dr.data());
     for (const auto& sc : scorers())
       for (const auto& ch : chains())
         for (const Budget& b : budgets()) {

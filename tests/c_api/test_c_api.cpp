@@ -3,6 +3,7 @@
 // of crashing or writing (the sanitizer build runs these too).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -145,6 +146,122 @@ TEST_CASE("C ABI: kvp_compress equals Policy::compress", "[c_api]") {
       kvp_policy_destroy(p);
     }
   }
+}
+
+TEST_CASE("C ABI: per-event inputs (reconstruction scores, ams credit, RoPE frequencies) equal "
+          "the C++ API's", "[c_api]") {
+  constexpr std::int64_t L = 2, H = 2, T = 40, D = 16, S = T + 6;  // S: padded state rows
+  kvtest::Rng rng(21);
+  std::vector<float> q = rng.normals(L * 2 * H * 8 * D), rec(static_cast<std::size_t>(L * H * S));
+  for (auto& x : rec) x = static_cast<float>(rng.uniform());
+  std::vector<float> freqs(D / 2);
+  for (std::int64_t i = 0; i < D / 2; ++i)
+    freqs[static_cast<std::size_t>(i)] = std::pow(5000.f, -2.f * static_cast<float>(i) / D);
+  kvp_tensor cq = kvp_tensor_hnd(q.data(), KVP_F32, L, 2 * H, 8, D);
+  Inputs<float> in;
+  in.queries = KVView<const float>::hnd(q.data(), L, 2 * H, 8, D);
+  // C state and C++ state advance side by side over three events.
+  std::vector<float> c_state(static_cast<std::size_t>(L * H * S), 0.f), cpp_state = c_state;
+  for (int event = 0; event < 3; ++event)
+    for (const char* spec : {"kvzip(sinks=2) | adakv", "expected(window=8)",
+                             "knorm | ams(window=8,min_seg_len=4,sinks=2,keep_last=4)"}) {
+      INFO(spec << ", event " << event);
+      Cache c(L, H, T, D, 30 + static_cast<std::uint64_t>(event));
+      kvp_policy* p = make(spec);
+      kvp_compress_params prm = kvp_compress_default_params();
+      prm.budget = {KVP_BUDGET_RATIO, 0.4};
+      prm.compact = 0;
+      prm.reconstruction = rec.data();
+      prm.reconstruction_stride = S;
+      prm.rope_inv_freq = freqs.data();
+      prm.rope_pairs = D / 2;
+      prm.alloc_state = c_state.data();
+      prm.alloc_state_stride = S;
+      SelOut out(L, H, T);
+      kvp_tensor ck = c.ck(), cv = c.cv();
+      REQUIRE(kvp_compress(p, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_OK);
+      Inputs<float> cin = in;
+      cin.keys = c.vk();
+      cin.values = c.vv();
+      cin.reconstruction = rec.data();
+      cin.state_stride = S;
+      cin.rope_inv_freq = freqs;
+      EventInfo ev;
+      ev.alloc_state = cpp_state.data();
+      ev.alloc_state_stride = S;
+      const Selection sel = Policy(spec).select(cpu_backend{}, cin, Budget::ratio(0.4), ev);
+      for (std::int64_t r = 0; r < L * H; ++r) {
+        auto want = sel.kept(r / H, r % H);
+        CHECK(out.row(r) == std::vector<std::int32_t>(want.begin(), want.end()));
+      }
+      CHECK(c_state == cpp_state);
+      kvp_policy_destroy(p);
+    }
+  REQUIRE(std::any_of(c_state.begin(), c_state.end(), [](float x) { return x > 0.f; }));
+
+  // Bad per-event inputs: a status and a message, nothing written.
+  Cache c(L, H, T, D, 40);
+  kvp_tensor ck = c.ck(), cv = c.cv();
+  kvp_policy* z = make("kvzip | adakv");
+  SelOut out(L, H, T);
+  kvp_compress_params prm = kvp_compress_default_params();
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("kvp_compress_params.reconstruction"));
+  prm.reconstruction = rec.data();
+  prm.reconstruction_stride = T - 1;
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("state_stride 39 is below the 40 tokens"));
+  prm.reconstruction_stride = -1;
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("negative reconstruction_stride"));
+  prm = kvp_compress_default_params();
+  prm.rope_pairs = 4;
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("rope_inv_freq is NULL but rope_pairs is 4"));
+  prm = kvp_compress_default_params();
+  prm.rope_inv_freq = freqs.data();
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("rope_pairs is 0"));
+  prm = kvp_compress_default_params();
+  prm.alloc_state = c_state.data();
+  prm.alloc_state_stride = T - 2;
+  kvp_policy* a = make("knorm | ams(window=8)");
+  CHECK(kvp_compress(a, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("alloc_state_stride 38 is below the 40 tokens"));
+  // Non-finite per-event inputs are named (a negative credit too).
+  prm = kvp_compress_default_params();
+  std::vector<float> bad_rec = rec;
+  bad_rec[static_cast<std::size_t>(S + 3)] = NAN;  // layer 0, head 1, token 3
+  prm.reconstruction = bad_rec.data();
+  prm.reconstruction_stride = S;
+  CHECK(kvp_compress(z, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("reconstruction score of layer 0, head 1, token 3 is nan"));
+  prm = kvp_compress_default_params();
+  std::vector<float> bad_state(c_state.size(), 0.f);
+  bad_state[5] = -1.f;
+  prm.alloc_state = bad_state.data();
+  prm.alloc_state_stride = S;
+  CHECK(kvp_compress(a, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("credit state (EventInfo::alloc_state) of layer 0, head 0, token 5 is -1"));
+  CHECK(bad_state[6] == 0.f);  // nothing updated
+  prm = kvp_compress_default_params();
+  std::vector<float> bad_freqs = freqs;
+  bad_freqs[2] = INFINITY;
+  prm.rope_inv_freq = bad_freqs.data();
+  prm.rope_pairs = D / 2;
+  kvp_policy* e = make("expected(window=8)");
+  CHECK(kvp_compress(e, &prm, &ck, &cv, &cq, nullptr, 0, &out.sel) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("RoPE frequency 2 is inf"));
+  kvp_policy_destroy(e);
+  CHECK(std::all_of(out.counts.begin(), out.counts.end(), [](std::int64_t n) { return n == -1; }));
+  // Batches take none of them.
+  prm = kvp_compress_default_params();
+  prm.reconstruction = rec.data();
+  const kvp_sequence seq{ck, cv, cq, nullptr};
+  CHECK(kvp_compress_batch(z, &prm, &seq, 1, &out.sel) == KVP_ERROR_UNSUPPORTED);
+  CHECK(mentions("kvp_compress and kvp_cuda_compress only"));
+  kvp_policy_destroy(a);
+  kvp_policy_destroy(z);
 }
 
 TEST_CASE("C ABI: half-precision caches and selection-only calls", "[c_api]") {

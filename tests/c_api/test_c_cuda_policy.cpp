@@ -31,6 +31,10 @@ struct Data {
   }
 };
 
+// A plug-in scorer (its callbacks run on the host only, so the device path refuses it).
+const char* ones_name(const void*) { return "ones"; }
+int ones_score(void*, const kvp_score_args*) { return 0; }
+
 kvp_tensor keys_of(float* p) { return kvp_tensor_hnd(p, KVP_F32, kL, kH, kT, kD); }
 kvp_tensor queries_of(float* p) { return kvp_tensor_hnd(p, KVP_F32, kL, kH * kG, kQ, kD); }
 
@@ -53,9 +57,18 @@ TEST_CASE("C ABI: kvp_cuda_compress checks its arguments before touching the dev
         KVP_ERROR_INVALID_ARGUMENT);
 
   SECTION("stages without a device path, a merger and a shard: unsupported, by name") {
-    for (const char* spec : {"kvzip", "snapkv(window=8) | ams"}) {
+    // kvzip has a device path, but the C ABI's device entry takes no reconstruction scores.
+    kvp_policy* z = make("kvzip | adakv");
+    CHECK(kvp_cuda_compress_plan(z, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("reconstruction"));
+    kvp_policy_destroy(z);
+    kvp_scorer_plugin plugin = kvp_scorer_plugin_default();
+    plugin.name = ones_name;
+    plugin.score = ones_score;
+    for (const char* spec : {"ones", "ones | pyramid | adakv"}) {
       INFO(spec);
-      kvp_policy* u = make(spec);
+      kvp_policy* u = nullptr;
+      REQUIRE(kvp_policy_create_with_plugins(spec, &plugin, 1, &u) == KVP_OK);
       CHECK(kvp_cuda_compress_plan(u, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
       CHECK(mentions("cpu_backend"));
       CHECK(kvp_cuda_compress(u, &prm, &k, &v, &q, nullptr, 0, nullptr, &out) ==
@@ -89,13 +102,43 @@ TEST_CASE("C ABI: kvp_cuda_compress checks its arguments before touching the dev
     prm.struct_size = 3;
     CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
   }
+  SECTION("per-event inputs: checked on the host like kvp_compress's") {
+    std::vector<float> rec(static_cast<std::size_t>(kL * kH * kT), 0.5f);
+    kvp_policy* z = make("kvzip | adakv");
+    prm.reconstruction = rec.data();  // (a stand-in: the checks never read it)
+    prm.reconstruction_stride = kT - 1;
+    CHECK(kvp_cuda_compress_plan(z, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("state_stride 63 is below the 64 tokens"));
+    prm.reconstruction_stride = 0;
+    prm.rope_pairs = 4;
+    CHECK(kvp_cuda_compress(z, &prm, &k, &v, &q, nullptr, 0, nullptr, &out) ==
+          KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("rope_inv_freq is NULL"));
+    kvp_policy_destroy(z);
+    kvp_policy* a = make("knorm | ams(window=8)");
+    prm = kvp_compress_default_params();
+    prm.alloc_state = rec.data();
+    prm.alloc_state_stride = 5;
+    CHECK(kvp_cuda_compress_plan(a, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("alloc_state_stride 5 is below the 64 tokens"));
+    kvp_policy_destroy(a);
+  }
   SECTION("valid arguments without a usable device: an error, not a result") {
     if (kvp_cuda_device_count() > 0) {
       SUCCEED("a device is present: the [gpu] case runs the call");
     } else {
-      const kvp_status s = kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan);
-      CHECK((s == KVP_ERROR_UNSUPPORTED || s == KVP_ERROR_CUDA));
-      CHECK(std::string(kvp_last_error()).size() > 10);
+      std::vector<float> rec(static_cast<std::size_t>(kL * kH * kT), 0.5f);
+      prm.reconstruction = rec.data();
+      prm.alloc_state = rec.data();
+      for (const char* spec : {"snapkv(window=8) | pyramid | adakv", "kvzip | adakv",
+                               "knorm | ams(window=8,min_seg_len=4)"}) {
+        INFO(spec);
+        kvp_policy* u = spec[0] == 's' ? nullptr : make(spec);
+        const kvp_status s = kvp_cuda_compress_plan(u ? u : p, &prm, &k, &v, &q, &plan);
+        CHECK((s == KVP_ERROR_UNSUPPORTED || s == KVP_ERROR_CUDA));
+        CHECK(std::string(kvp_last_error()).size() > 10);
+        if (u) kvp_policy_destroy(u);
+      }
     }
   }
   kvp_policy_destroy(p);
@@ -106,12 +149,20 @@ TEST_CASE("C ABI: kvp_cuda_compress on the GPU keeps and compacts what kvp_compr
   if (!kvtest::gpu_present()) return;
 #if defined(KVPOLICY_WITH_CUDA)
   for (const char* spec : {"snapkv(window=8) | pyramid | adakv", "tova", "knorm | adakv(alpha=0)",
-                           "h2o | depthkv(weights=1:3)", "streaming"}) {
+                           "h2o | depthkv(weights=1:3)", "streaming", "kvzip(sinks=2) | adakv",
+                           "knorm | adakv | ams(window=8,min_seg_len=4,sinks=2,keep_last=4)"}) {
     INFO(spec);
     kvp_policy* p = make(spec);
     Data host(7), dev_data(7);
+    // Per-event inputs (kvzip's scores, ams's credit), on the host for kvp_compress and on the
+    // device for kvp_cuda_compress.
+    kvtest::Rng rng(3);
+    std::vector<float> rec = rng.normals(kL * kH * kT), host_state(rec.size(), 0.f);
+    auto drec = kvtest::upload(rec), dstate = kvtest::upload(host_state);
     kvp_compress_params prm = kvp_compress_default_params();
     prm.budget = {KVP_BUDGET_RATIO, 0.3};
+    prm.reconstruction = rec.data();
+    prm.alloc_state = host_state.data();
     // Host reference.
     kvp_tensor hk = keys_of(host.k.data()), hv = keys_of(host.v.data()),
                hq = queries_of(host.q.data());
@@ -123,6 +174,8 @@ TEST_CASE("C ABI: kvp_cuda_compress on the GPU keeps and compacts what kvp_compr
     kvp_tensor k = keys_of(static_cast<float*>(dk.data())),
                v = keys_of(static_cast<float*>(dv.data())),
                q = queries_of(static_cast<float*>(dq.data()));
+    prm.reconstruction = static_cast<const float*>(drec.data());
+    prm.alloc_state = static_cast<float*>(dstate.data());
     kvp_cuda_plan plan{};
     REQUIRE(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_OK);
     REQUIRE(plan.rows == kL * kH);
@@ -145,6 +198,7 @@ TEST_CASE("C ABI: kvp_cuda_compress on the GPU keeps and compacts what kvp_compr
     }
     CHECK(kvtest::download<float>(dk, host.k.size()) == host.k);
     CHECK(kvtest::download<float>(dv, host.v.size()) == host.v);
+    CHECK(kvtest::download<float>(dstate, host_state.size()) == host_state);
     kvp_policy_destroy(p);
   }
 #endif

@@ -24,7 +24,7 @@ struct EmulatedDevice {
   // The caller's workspace (set by the test) and the regions the runner must not hand out.
   const std::byte* ws_begin = nullptr;
   std::size_t ws_bytes = 0;
-  mutable std::vector<std::string> calls;  // "upload", "score:snapkv", "adakv:device", "select:device", ...
+  mutable std::vector<std::string> calls;  // "upload", "score:snapkv", "adakv:device", "ams:device", "select:device", ...
   // The end of the workspace regions of the current event that outlive a kernel (the scores, the
   // uploaded budgets, a paged event's dense copy), as the kernels have seen them: scratch must
   // start after it. An event starts with its upload (the budgets lie past its scores), so the
@@ -59,6 +59,40 @@ struct EmulatedDevice {
       // Row padding holds garbage on a device.
       std::fill(row + out.tokens, row + out.row_stride, std::numeric_limits<float>::quiet_NaN());
     }
+    poison(ws);
+  }
+  template <kvpolicy::Element T>
+  std::size_t ams_bytes(const kvpolicy::AMS&, const kvpolicy::Inputs<T>& in,
+                        kvpolicy::Protect) const {
+    return static_cast<std::size_t>(in.layers() * in.kv_heads() * in.tokens()) * 40 + 1024;
+  }
+  // AMS::allocate on the device scores, with the budgets as the kernels read them (the device
+  // ones) and the credit state given; the window attention is the CPU's (the kernel's agreement
+  // with it is tested in test_window_attention.cpp).
+  template <kvpolicy::Element T>
+  void ams(const kvpolicy::AMS& a, const kvpolicy::Inputs<T>& in,
+           const kvpolicy::cuda::MutableScoreView& s, const std::int64_t* device,
+           kvpolicy::Protect p, float* state, std::int64_t stride,
+           kvpolicy::cuda::Scratch ws) const {
+    check_scratch(ws, ams_bytes(a, in, p), "ams");
+    calls.push_back("ams:device");
+    kvpolicy::ScoreMap m = map_of({s.data, s.layers, s.heads, s.tokens, s.row_stride});
+    kvpolicy::Stats stats;
+    kvpolicy::window_attention_stat(kvpolicy::cpu_backend{}, in, stats, a.window,
+                                    kvpolicy::GqaReduce::mean);
+    kvpolicy::AllocContext ctx;
+    ctx.scores = &m;
+    ctx.tokens = s.tokens;
+    ctx.protect = p;
+    ctx.model_layers = s.layers;
+    ctx.stats = &stats;
+    ctx.queries = in.queries.tokens;
+    ctx.state = state;
+    ctx.state_stride = stride;
+    std::vector<std::int64_t> b(device, device + s.layers * s.heads);
+    a.allocate(ctx, std::span<std::int64_t>(b));
+    for (std::int64_t r = 0; r < s.layers * s.heads; ++r)
+      std::copy_n(m.data() + r * s.tokens, s.tokens, s.data + r * s.row_stride);
     poison(ws);
   }
   std::size_t adakv_bytes(const kvpolicy::AdaKV&, const kvpolicy::cuda::ScoreView& s,

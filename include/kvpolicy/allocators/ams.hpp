@@ -45,6 +45,10 @@
 //   allocator reads credit_prev and writes the updated credit of every token of the event (rows
 //   with nothing to evict too). The owner zeroes new tokens and compacts the state with the
 //   cache. Without state every credit_prev is 0 (a first event): m equals m_cur up to rounding.
+// - Sums over a row's tokens (the three normalizations of steps 1-2) run in a fixed lane order
+//   and the credit/mix products are fused multiply-adds (allocators/ams_rows.hpp), so that the
+//   CUDA path (cuda/ams.hpp) computes the same mass bit for bit; the pooling sums each window
+//   directly (row_math::pool_at).
 // - Runs at prefill and at any later compression event alike; when it runs is the engine's
 //   business (authors: every 512 decode steps).
 #pragma once
@@ -58,6 +62,7 @@
 #include "kvpolicy/concepts.hpp"
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/core/topk_key.hpp"
+#include "kvpolicy/allocators/ams_rows.hpp"
 #include "kvpolicy/scorers/snapkv_row.hpp"
 
 namespace kvpolicy {
@@ -70,6 +75,16 @@ struct Segment {
   bool operator==(const Segment&) const = default;
 };
 
+namespace detail {
+// The sum of x in ams_rows.hpp's lane order (the kernel's).
+inline double lane_total(std::span<const double> x) {
+  double lanes[rows::kMassLanes];
+  for (int l = 0; l < rows::kMassLanes; ++l)
+    lanes[l] = rows::lane_sum(x.data(), static_cast<std::int64_t>(x.size()), l);
+  return rows::lanes_total(lanes);
+}
+}  // namespace detail
+
 // relu, + eps, divided by the sum: a distribution (the authors' _to_mass).
 inline void normalize(std::span<double> x) {
   double s = 0;
@@ -80,35 +95,36 @@ inline void normalize(std::span<double> x) {
   for (double& v : x) v /= s;
 }
 
-// m_cur of one row from its window-attention column sums `attn` (w window queries).
+// m_cur of one row from its window-attention column sums `attn` (w window queries): phases A-B
+// of ams_rows.hpp, normalized.
 inline std::vector<double> current_mass(std::span<const float> attn, std::int64_t w, int kernel) {
   const auto T = static_cast<std::int64_t>(attn.size());
-  const std::int64_t n = T - std::min(w, T);
-  std::vector<double> m(static_cast<std::size_t>(T), 1.0);
-  if (n > 0) {
-    std::vector<float> pooled(static_cast<std::size_t>(n));
-    row_math::pool1d(attn.data(), pooled.data(), n, kernel, Pool::avg);
-    const float mx = *std::max_element(pooled.begin(), pooled.end());
-    for (std::int64_t j = 0; j < T; ++j)
-      m[static_cast<std::size_t>(j)] = j < n ? pooled[static_cast<std::size_t>(j)] : mx;
-  }
-  normalize(m);
+  const std::int64_t pooled = T - std::min(w, T);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (std::int64_t j = 0; j < pooled; ++j)
+    mx = std::max(mx, rows::mass_pooled(attn.data(), pooled, j, kernel));
+  std::vector<double> m(static_cast<std::size_t>(T));
+  for (std::int64_t j = 0; j < T; ++j)
+    m[static_cast<std::size_t>(j)] = rows::mass_current(attn.data(), pooled, j, kernel, mx);
+  const double s = detail::lane_total(m);
+  for (double& v : m) v /= s;
   return m;
 }
 
 // credit <- lambda credit + (1 - lambda) m_cur, in place; returns the mixed mass
-// normalize(beta m_cur + (1 - beta) normalize(credit)).
+// normalize(beta m_cur + (1 - beta) normalize(credit)): phases C-E of ams_rows.hpp.
 inline std::vector<double> update_credit(std::span<float> credit, std::span<const double> m_cur,
                                          double lambda, double beta) {
   const std::size_t T = m_cur.size();
-  std::vector<double> c(T), m(T);
+  std::vector<double> m(T);
   for (std::size_t j = 0; j < T; ++j) {
-    credit[j] = static_cast<float>(lambda * credit[j] + (1.0 - lambda) * m_cur[j]);
-    c[j] = credit[j];
+    credit[j] = rows::credit_next(credit[j], m_cur[j], lambda);
+    m[j] = rows::relu_eps(credit[j]);
   }
-  normalize(c);
-  for (std::size_t j = 0; j < T; ++j) m[j] = beta * m_cur[j] + (1.0 - beta) * c[j];
-  normalize(m);
+  const double s2 = detail::lane_total(m);
+  for (std::size_t j = 0; j < T; ++j) m[j] = rows::mass_mix(m_cur[j], m[j], s2, beta);
+  const double s3 = detail::lane_total(m);
+  for (double& v : m) v /= s3;
   return m;
 }
 
@@ -312,6 +328,14 @@ struct AMS {
     const std::int64_t sinks_end = std::min(ctx.protect.sinks, T);
     const std::int64_t recent_begin = std::max(sinks_end, T - ctx.protect.recent);
     const std::int64_t n_protected = sinks_end + (T - recent_begin);
+    if (ctx.state)  // checked before any is updated
+      for (std::int64_t r = 0; r < L * H; ++r)
+        for (std::int64_t j = 0; j < T; ++j) {
+          const float c = ctx.state[r * ctx.state_stride + j];
+          KVP_REQUIRE(std::isfinite(c) && c >= 0, "ams: credit state (EventInfo::alloc_state) of "
+                      "layer ", r / H, ", head ", r % H, ", token ", j, " is ", c,
+                      " (credits are finite and >= 0: zero a new sequence's)");
+        }
     std::vector<float> zero;
     std::vector<char> cand;
     for (std::int64_t r = 0; r < L * H; ++r) {
@@ -329,13 +353,9 @@ struct AMS {
                   " is below the ", n_protected, " protected tokens");
       auto s = ctx.scores->row(r / H, r % H);
       candidates(m, s, sinks_end, recent_begin, B - n_protected, cand);
-      for (std::int64_t j = sinks_end; j < recent_begin; ++j) {
-        float& x = s[static_cast<std::size_t>(j)];
-        if (!cand[static_cast<std::size_t>(j)])
-          x = -std::numeric_limits<float>::infinity();
-        else if (x == -std::numeric_limits<float>::infinity())
-          x = std::numeric_limits<float>::lowest();
-      }
+      for (std::int64_t j = sinks_end; j < recent_begin; ++j)
+        s[static_cast<std::size_t>(j)] =
+            ams::rows::mask_score(s[static_cast<std::size_t>(j)], cand[static_cast<std::size_t>(j)]);
     }
   }
 };

@@ -1,14 +1,24 @@
-// AMS steps 3-4 (cuts, split/merge, quotas) for one row as KVP_HD functions on raw arrays: the
-// per-row logic of the CUDA kernel (cuda/ams.cu, one thread block per (layer, KV head) row), and
+// AMS per row as KVP_HD functions on raw arrays, the per-row logic of the CUDA kernels (cuda/ams.cu,
+// one thread block per (layer, KV head) row) and of the CPU allocator alike:
+//  - steps 1-2 (the mass): per-token phases with sums in kMassLanes fixed lanes, which the CPU
+//    (ams::current_mass, ams::update_credit) runs as loops and the kernel as one thread per lane,
+//    so that the mass is bitwise the same;
+//  - step 5 (candidates): the k-th largest library order key of a segment by a bitwise search
+//    over counts (kth_key), and the score mask (mask_score).
+// Steps 3-4 (cuts, split/merge, quotas) below are
 // the same arithmetic as ams::segments / ams::quotas in allocators/ams.hpp operation for
 // operation (same summation order, same lower_bound, same rounding), so integers agree exactly.
+// The candidates' bitwise search is checked against ams::mark_candidates' nth_element.
 // tests/agreement/test_ams_rows.cpp checks that against the CPU allocator's functions.
 // Free of CUDA, Eigen and the standard library's non-constexpr algorithms.
 #pragma once
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
 #include "kvpolicy/core/config.hpp"
+#include "kvpolicy/core/topk_key.hpp"
+#include "kvpolicy/scorers/snapkv_row.hpp"
 
 namespace kvpolicy::ams::rows {
 
@@ -203,6 +213,84 @@ KVP_HD inline bool row_quotas(std::int64_t nseg, std::int64_t budget, const Para
 KVP_HD inline void row_shift(const RowBuffers& b, std::int64_t i, std::int64_t begin) {
   b.seg_begin[i] += begin;
   b.seg_end[i] += begin;
+}
+
+}  // namespace kvpolicy::ams::rows
+
+namespace kvpolicy::ams::rows {
+
+// ---- Steps 1-2: the mass of one row, as per-token phases ---------------------------------------
+// Sums over a row's tokens run in kMassLanes lanes: lane l adds tokens l, l + kMassLanes, ... in
+// order, then the lane sums are added in lane order (lanes_total). The products that meet a sum
+// are written as fma, so that compilers cannot contract them differently on host and device.
+// Phases for a row of T tokens whose first `pooled` = T - min(w, T) precede the window:
+//   A (j < pooled):  mass_pooled(j), whose maximum mx the window's tokens take;
+//   B (every j):     m_cur[j] = mass_current(j, mx);                      S1 = lane sums
+//   C (every j):     m_cur[j] /= S1; c[j] = mass_credit(m_cur[j], credit[j]); S2 = lane sums
+//   D (every j):     out[j] = mass_mix(m_cur[j], c[j], S2);                 S3 = lane sums
+//   E (every j):     out[j] /= S3.
+// (c and out may be the same array: D reads c[j] before it writes out[j].)
+inline constexpr int kMassLanes = 256;
+
+KVP_HD inline double relu_eps(double v) { return (v > 0.0 ? v : 0.0) + 1e-12; }
+
+// Lane `lane`'s part of the sum of x[0..n).
+KVP_HD inline double lane_sum(const double* x, std::int64_t n, int lane) {
+  double s = 0.0;
+  for (std::int64_t j = lane; j < n; j += kMassLanes) s += x[j];
+  return s;
+}
+
+// The lanes' sums added in lane order.
+KVP_HD inline double lanes_total(const double* lanes) {
+  double s = 0.0;
+  for (int l = 0; l < kMassLanes; ++l) s += lanes[l];
+  return s;
+}
+
+// Phase A: token j's average-pooled window attention (j < pooled; padding counted).
+KVP_HD inline float mass_pooled(const float* attn, std::int64_t pooled, std::int64_t j,
+                                int kernel) {
+  return row_math::pool_at(attn, pooled, j, kernel, Pool::avg);
+}
+
+// Phase B: token j's current mass before normalizing (uniform when no token precedes the window).
+KVP_HD inline double mass_current(const float* attn, std::int64_t pooled, std::int64_t j,
+                                  int kernel, float mx) {
+  if (pooled == 0) return relu_eps(1.0);
+  return relu_eps(j < pooled ? mass_pooled(attn, pooled, j, kernel) : mx);
+}
+
+// Phase C: the credit after this event, lambda credit_prev + (1 - lambda) m_cur (stored in fp32),
+// from the normalized m_cur; returns it as the unnormalized c.
+KVP_HD inline float credit_next(float credit_prev, double m_cur, double lambda) {
+  return static_cast<float>(fma(lambda, static_cast<double>(credit_prev), (1.0 - lambda) * m_cur));
+}
+
+// Phase D: beta m_cur + (1 - beta) c / S2, before normalizing.
+KVP_HD inline double mass_mix(double m_cur, double c, double s2, double beta) {
+  return relu_eps(fma(beta, m_cur, (1.0 - beta) * (c / s2)));
+}
+
+// ---- Step 5: a segment's candidates -------------------------------------------------------------
+// The largest key t with at least k keys >= t, i.e. the k-th largest of distinct keys (library
+// order keys are distinct: topk_key packs the index), for 1 <= k <= count. count_ge(t) returns
+// how many keys are >= t; on the device it is a block-wide count that every thread calls.
+template <class CountGe>
+KVP_HD inline std::uint64_t kth_key(std::int64_t k, CountGe&& count_ge) {
+  std::uint64_t t = 0;
+  for (int bit = 63; bit >= 0; --bit) {
+    const std::uint64_t trial = t | (std::uint64_t{1} << bit);
+    if (count_ge(trial) >= k) t = trial;
+  }
+  return t;
+}
+
+// The score an unprotected token leaves for the per-row top-k: -inf for a non-candidate, the
+// lowest finite float for a candidate scored -inf (so that the top-k takes exactly the candidates).
+KVP_HD inline float mask_score(float s, bool candidate) {
+  if (!candidate) return -INFINITY;
+  return s == -INFINITY ? -FLT_MAX : s;
 }
 
 }  // namespace kvpolicy::ams::rows

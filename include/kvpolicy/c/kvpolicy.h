@@ -50,8 +50,10 @@ extern "C" {
 /* ---- Status and errors ------------------------------------------------------------------- */
 
 /* 2: kvp_compress_params.shard and kvp_policy_info.spans_heads (tensor parallelism).
- * 3: kvp_cuda_compress_plan and kvp_cuda_compress (a whole policy on device tensors). */
-#define KVP_ABI_VERSION 3
+ * 3: kvp_cuda_compress_plan and kvp_cuda_compress (a whole policy on device tensors).
+ * 4: kvp_compress_params.reconstruction, alloc_state, rope_inv_freq (kvzip, ams's credit and
+ *    expected attention's frequencies per call, host or device). */
+#define KVP_ABI_VERSION 4
 
 typedef enum kvp_status {
   KVP_OK = 0,
@@ -138,6 +140,24 @@ typedef struct kvp_compress_params {
   /* NULL (default): the call holds every KV head. kvp_compress only (kvp_compress_batch and
    * kvp_compress_paged refuse a shard with KVP_ERROR_UNSUPPORTED). */
   const kvp_head_shard* shard;
+  /* Per-event inputs some stages read; NULL (default): not given. In host memory for
+   * kvp_compress, in device memory for kvp_cuda_compress (rope_inv_freq: host memory for both);
+   * kvp_compress_batch and kvp_compress_paged refuse them (KVP_ERROR_UNSUPPORTED). Row strides
+   * in floats, 0 (default): the event's tokens.
+   * reconstruction: kvzip's context-reconstruction scores, [L][Hkv] rows (a session computes
+   *   them itself: kvp_session_reconstruct).
+   * alloc_state: ams's credit, [L][Hkv] rows, read and updated in place: zero a new sequence's,
+   *   and keep each row's kept entries with the cache (gather them by the selection's indices;
+   *   on the device kvp_cuda_compact of an [L][Hkv][T][1] float32 tensor does it); NULL: a
+   *   first event (credit 0).
+   * rope_inv_freq: expected attention's inverse RoPE frequencies, rope_pairs = head_dim / 2
+   *   floats; NULL: its spec needs theta=. */
+  const float* reconstruction;
+  int64_t reconstruction_stride;
+  float* alloc_state;
+  int64_t alloc_state_stride;
+  const float* rope_inv_freq;
+  int64_t rope_pairs;
 } kvp_compress_params;
 
 KVP_API kvp_compress_params kvp_compress_default_params(void);
@@ -400,10 +420,12 @@ KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selecti
 /* A whole policy on device tensors: the policy's scorer and allocators select on the GPU, then
  * (params->compact) keys and values are compacted in place, every kernel on `stream`. Device
  * stages: scorers snapkv, h2o, tova, knorm, keydiff, streaming, expected (its RoPE base from
- * the spec: "expected(theta=...)"); allocators uniform, pyramid, depthkv, adakv. Another stage,
- * params->shard, or a policy with a merger or quantizer gives KVP_ERROR_UNSUPPORTED (use
- * kvp_compress). The kept sets equal kvp_compress's on the same data (expected attention's up to
- * near-ties: its device scores equal the host's to fp32 rounding).
+ * the spec, "expected(theta=...)", or params->rope_inv_freq), kvzip (params->reconstruction, in
+ * device memory); allocators uniform, pyramid, depthkv, adakv, ams (its credit in
+ * params->alloc_state, device memory; NULL: a first event). A plug-in scorer, params->shard, or
+ * a policy with a merger or quantizer gives KVP_ERROR_UNSUPPORTED (use kvp_compress). The kept sets equal
+ * kvp_compress's on the same data (expected attention's up to near-ties: its device scores
+ * equal the host's to fp32 rounding).
  * keys, values, queries: device memory, as kvp_compress takes them (values may be NULL when
  * params->compact is 0). params->threads is ignored. NaN/Inf in the inputs are not checked.
  * One host synchronisation per call: the per-row budgets are computed on the host and uploaded

@@ -127,12 +127,14 @@ void validate(const Inputs<T>& in, Needs needs, std::int64_t query_window = 0) {
     KVP_REQUIRE(in.queries.tokens <= in.keys.tokens, "queries: ", in.queries.tokens,
                 " queries for only ", in.keys.tokens, " keys");
   }
+  KVP_REQUIRE(in.state_stride == 0 || in.state_stride >= in.keys.tokens, "state_stride ",
+              in.state_stride, " is below the ", in.keys.tokens, " tokens of a row");
   if (has(needs, Needs::reconstruction))
     KVP_REQUIRE(in.reconstruction != nullptr,
                 "context-reconstruction scores are required but none were given: run the "
                 "reconstruction pass first (Session::reconstruct, kvp_session_reconstruct, "
                 "Engine::reconstruct) or pass them (Inputs::reconstruction; Python: "
-                "reconstruction=)");
+                "reconstruction=; C: kvp_compress_params.reconstruction)");
   if (has(needs, Needs::accumulated))
     KVP_REQUIRE(in.accumulated != nullptr || (in.queries.data != nullptr && in.queries.tokens > 0),
                 "accumulated attention is required (or the queries to compute it) but neither "

@@ -38,6 +38,12 @@ Status tova_score(const cuda_backend& be, const TensorRef& keys, const TensorRef
 // Streaming::score: out[l][h][j] = j. No workspace.
 Status streaming_score(const cuda_backend& be, const MutableScoreView& out);
 
+// KVzip::score: the given per-token scores `src` (device; row r at src + r * src_stride, the
+// reconstruction scores an engine's pass computed) copied into `out`, device to device,
+// asynchronously on the stream. No workspace.
+Status copy_score_rows(const cuda_backend& be, const float* src, std::int64_t src_stride,
+                       const MutableScoreView& out);
+
 // Ada-KV head budgets (AdaKV::allocate) on the device: from scores [L][H][T] (device), each
 // row's budget (host or device, clamped to [P, T], P = the protected count of sinks + recent)
 // and alpha, writes the per-(layer, head) budgets to `out_budgets` (device, [L * H]; may equal

@@ -1,6 +1,6 @@
-// CUDA baseline scorers (KNorm, KeyDiff, TOVA, StreamingLLM) and Ada-KV / PyramidKV head budgets
-// on the device: the device twins of scorers/{knorm,keydiff,tova,streaming}.hpp and
-// allocators/{adakv,pyramid}.hpp (same ScoreMap contents, same budgets). Host wrappers over
+// CUDA baseline scorers (KNorm, KeyDiff, TOVA, StreamingLLM) and the Ada-KV / PyramidKV budgets
+// and AMS segment quotas on the device: the device twins of scorers/{knorm,keydiff,tova,
+// streaming}.hpp and allocators/{adakv,pyramid,ams}.hpp (same ScoreMap contents, same budgets). Host wrappers over
 // baseline_launch.hpp that check their arguments and throw kvpolicy::Error; work is enqueued on
 // the backend's stream and uses its caller-owned workspace (two-phase: size it with the
 // *_workspace_bytes query first). Kernels: cuda/baselines.cu.
@@ -9,12 +9,15 @@
 #include <vector>
 
 #include "kvpolicy/allocators/adakv.hpp"
+#include "kvpolicy/allocators/ams.hpp"
 #include "kvpolicy/allocators/pyramid.hpp"
+#include "kvpolicy/cuda/ams.hpp"
 #include "kvpolicy/cuda/baseline_launch.hpp"
 #include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/window_attention.hpp"
 #include "kvpolicy/scorers/keydiff.hpp"
 #include "kvpolicy/scorers/knorm.hpp"
+#include "kvpolicy/scorers/kvzip.hpp"
 #include "kvpolicy/scorers/streaming.hpp"
 #include "kvpolicy/scorers/tova.hpp"
 
@@ -105,6 +108,32 @@ void score(const cuda_backend& be, const Streaming&, const Inputs<T>& in,
   throw_if_error(streaming_score(be, out), "cuda::score(streaming)");
 }
 
+// ---- KVzip ----------------------------------------------------------------------------------
+
+template <Element T>
+std::size_t score_workspace_bytes(const KVzip&, const Inputs<T>&) {
+  return 0;
+}
+
+// KVzip::score: the context-reconstruction scores the engine's pass computed (in.reconstruction,
+// device memory, [L][Hkv] rows of in.state_row_stride() floats), copied into `out` (a
+// device-to-device copy on the stream). The pass itself is the engine's (scorers/kvzip.hpp).
+template <Element T>
+void score(const cuda_backend& be, const KVzip& s, const Inputs<T>& in,
+           const MutableScoreView& out) {
+  s.validate();
+  KVP_REQUIRE(in.reconstruction != nullptr,
+              "kvzip: needs context-reconstruction scores (Inputs::reconstruction, device memory "
+              "on the CUDA path) from the engine's reconstruction pass");
+  KVP_REQUIRE(out.layers == in.layers() && out.heads == in.kv_heads() &&
+                  out.tokens == in.tokens() && out.row_stride >= out.tokens &&
+                  (out.data || out.layers * out.heads * out.tokens == 0),
+              "cuda::score(kvzip): output score view must be non-null [", in.layers(), ",",
+              in.kv_heads(), ",", in.tokens(), "] with row_stride >= tokens");
+  throw_if_error(copy_score_rows(be, in.reconstruction, in.state_row_stride(), out),
+                 "cuda::score(kvzip)");
+}
+
 // ---- Ada-KV ---------------------------------------------------------------------------------
 
 inline std::size_t allocate_workspace_bytes(const AdaKV&, const ScoreView& s, Protect p) {
@@ -158,6 +187,134 @@ inline void allocate(const cuda_backend& be, const AdaKV& a, const ScoreView& sc
   throw_if_error(adakv_budgets(be, scores, device_budgets, BudgetsAt::device, p.sinks, p.recent,
                                a.alpha, device_out),
                  "cuda::allocate(adakv)");
+}
+
+// ---- AMS ------------------------------------------------------------------------------------
+
+namespace detail {
+// The AMS step's part of the workspace: the window attention and its scratch, the two mass
+// arrays, the per-row budgets of the unprotected tokens, the segments and quotas, their scratch.
+struct AmsLayout {
+  std::int64_t window = 0, attn_stride = 0, begin = 0, end = 0, cap = 0;
+  std::size_t wa_at = 0, m_cur_at = 0, mass_at = 0, budgets_at = 0, segments_at = 0,
+              seg_begin_at = 0, seg_end_at = 0, quota_at = 0, rows_at = 0, total = 0;
+};
+
+template <Element E>
+AmsLayout ams_layout(const AMS& a, const Inputs<E>& in, Protect p) {
+  a.validate();
+  KVP_REQUIRE(in.queries.data && in.queries.tokens > 0, "ams: needs the last ", a.window,
+              " queries (window attention) but none were given");
+  const auto up = [](std::size_t n) { return (n + 255) / 256 * 256; };
+  const std::int64_t rows = in.layers() * in.kv_heads(), Tk = in.tokens();
+  AmsLayout l;
+  l.window = std::min(a.window, in.queries.tokens);
+  l.attn_stride = (Tk + 3) / 4 * 4;
+  l.begin = std::min(std::max<std::int64_t>(p.sinks, 0), Tk);
+  l.end = std::max(l.begin, Tk - std::max<std::int64_t>(p.recent, 0));
+  l.cap = l.end - l.begin + 1;
+  const auto n = static_cast<std::size_t>(rows);
+  const auto per_token = static_cast<std::size_t>(rows * Tk);
+  const auto per_seg = static_cast<std::size_t>(rows * l.cap) * sizeof(std::int64_t);
+  std::size_t at = up(static_cast<std::size_t>(rows * l.attn_stride) * sizeof(float));
+  l.wa_at = at;
+  at += up(window_attention_workspace_bytes(in.keys, in.queries, l.window));
+  l.m_cur_at = at;
+  at += up(per_token * sizeof(double));
+  l.mass_at = at;
+  at += up(per_token * sizeof(double));
+  l.budgets_at = at;
+  at += up(n * sizeof(std::int64_t));
+  l.segments_at = at;
+  at += up(n * sizeof(std::int64_t));
+  l.seg_begin_at = at;
+  at += up(per_seg);
+  l.seg_end_at = at;
+  at += up(per_seg);
+  l.quota_at = at;
+  at += up(per_seg);
+  l.rows_at = at;
+  at += up(ams_rows_workspace_bytes(rows, l.begin, l.end));
+  l.total = at;
+  return l;
+}
+}  // namespace detail
+
+// Workspace of cuda::allocate(be, const AMS&, ...) for these inputs and the chain's protection.
+template <Element E>
+std::size_t allocate_workspace_bytes(const AMS& a, const Inputs<E>& in, Protect p) {
+  return detail::ams_layout(a, in, p).total;
+}
+
+// AMS::allocate on the device, as a chain step after the scorer and the head-level allocators:
+// the GQA-mean window attention of the last min(window, queries) queries of `in` (device views),
+// the mass with the credit `state` ([L * H][state_stride] floats, device, updated in place; null
+// for a first event: every credit 0), the segments and quotas, and the candidates' mask written
+// into `scores` (AMS::allocate's). `device_budgets` holds each row's budget (device; rows with a
+// budget >= tokens are left as they are); `p` is the chain's protection (AllocContext::protect,
+// which includes AMS's sinks and keep_last). A budget below the protected count cannot be checked
+// on the device: the caller checks it (the device policy runner checks the host budgets, and
+// adakv keeps its budgets at or above it). Four launches, no host synchronisation.
+template <Element E>
+void allocate(const cuda_backend& be, const AMS& a, const Inputs<E>& in,
+              const MutableScoreView& scores, const std::int64_t* device_budgets, Protect p,
+              float* state, std::int64_t state_stride) {
+  const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens(), rows = L * H;
+  const detail::AmsLayout l = detail::ams_layout(a, in, p);
+  KVP_REQUIRE(scores.layers == L && scores.heads == H && scores.tokens == Tk &&
+                  scores.row_stride >= Tk && (rows * Tk == 0 || scores.data),
+              "cuda::allocate(ams): score view must be non-null [", L, ",", H, ",", Tk,
+              "] with row_stride >= tokens");
+  KVP_REQUIRE(rows == 0 || device_budgets, "cuda::allocate(ams): null budgets pointer");
+  KVP_REQUIRE(!state || state_stride >= Tk, "cuda::allocate(ams): state_stride ", state_stride,
+              " is below the ", Tk, " tokens");
+  KVP_REQUIRE(be.workspace_bytes >= l.total && (l.total == 0 || be.workspace),
+              "cuda::allocate(ams): workspace of ", be.workspace_bytes, " bytes is below the ",
+              l.total, " it needs (allocate_workspace_bytes)");
+  KVP_REQUIRE(reinterpret_cast<std::uintptr_t>(be.workspace) % 256 == 0,
+              "cuda::allocate(ams): the workspace must be 256-byte aligned");
+  if (rows == 0 || Tk == 0) return;
+  auto* base = static_cast<std::byte*>(be.workspace);
+  const auto at = [&](std::size_t off) { return base + off; };
+  float* attn = reinterpret_cast<float*>(base);
+  const cuda_backend wa_be{be.stream, at(l.wa_at), l.m_cur_at - l.wa_at};
+  window_attention(wa_be, in.keys, in.queries, GqaReduce::mean, l.window,
+                   MutableScoreView{attn, L, H, Tk, l.attn_stride});
+  auto* mass = reinterpret_cast<double*>(at(l.mass_at));
+  auto* unprotected = reinterpret_cast<std::int64_t*>(at(l.budgets_at));
+  const AmsMass m{.attn = attn,
+                  .rows = rows,
+                  .tokens = Tk,
+                  .attn_stride = l.attn_stride,
+                  .window = l.window,
+                  .state = state,
+                  .state_stride = state ? state_stride : 0,
+                  .budgets = device_budgets,
+                  .n_protected = l.begin + (Tk - l.end),
+                  .m_cur = reinterpret_cast<double*>(at(l.m_cur_at)),
+                  .mass = mass,
+                  .unprotected_budgets = unprotected};
+  throw_if_error(ams_mass(be, m, AmsMassParams{a.kernel, a.lambda, a.beta}),
+                 "cuda::allocate(ams)");
+  const AmsRows r{.mass = mass,
+                  .rows = rows,
+                  .tokens = Tk,
+                  .mass_stride = Tk,
+                  .begin = l.begin,
+                  .end = l.end,
+                  .budgets = unprotected,
+                  .segments = reinterpret_cast<std::int64_t*>(at(l.segments_at)),
+                  .seg_begin = reinterpret_cast<std::int64_t*>(at(l.seg_begin_at)),
+                  .seg_end = reinterpret_cast<std::int64_t*>(at(l.seg_end_at)),
+                  .quota = reinterpret_cast<std::int64_t*>(at(l.quota_at))};
+  const cuda_backend rows_be{be.stream, at(l.rows_at), l.total - l.rows_at};
+  throw_if_error(ams_segment_quotas(rows_be, r,
+                                    ams::rows::Params{a.segment_mass, a.min_seg_len,
+                                                      a.max_seg_len, a.min_keep}),
+                 "cuda::allocate(ams)");
+  const AmsMark k{scores.data, rows, Tk, scores.row_stride, r.segments, r.seg_begin, r.seg_end,
+                  r.quota, l.cap};
+  throw_if_error(ams_mark(be, k), "cuda::allocate(ams)");
 }
 
 // ---- PyramidKV ------------------------------------------------------------------------------

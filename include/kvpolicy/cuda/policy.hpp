@@ -15,22 +15,25 @@
 // only, so that its kept sets can differ at near-ties.
 //
 // What runs where:
-//   - scorers with a kernel: h2o, snapkv, streaming, tova, knorm, keydiff, expected. A scorer has
-//     a device path when cuda::score(const cuda_backend&, const S&, const Inputs<T>&,
-//     MutableScoreView) and cuda::score_workspace_bytes(S, Inputs<T>) exist
-//     (detail::device_scorer); others (kvzip, plug-ins) are refused by name. Expected
+//   - scorers: every built-in one: h2o, snapkv, streaming, tova, knorm, keydiff, expected with
+//     kernels, kvzip by a device copy of the engine's reconstruction scores (Inputs::
+//     reconstruction, device memory). A scorer has a device path when cuda::score(const
+//     cuda_backend&, const S&, const Inputs<T>&, MutableScoreView) and
+//     cuda::score_workspace_bytes(S, Inputs<T>) exist (detail::device_scorer); plug-ins (host
+//     callbacks) are refused by name. Expected
 //     attention's scores equal the CPU's to fp32 rounding (see cuda/expected.hpp), the others'
 //     kept sets are identical.
 //   - allocators: the layer-level ones (pyramid, depthkv) and uniform split the budget from the
 //     shapes alone, so they run on the host, as on the CPU path; adakv runs as a kernel and leaves
-//     the budgets on the device; ams is refused (its segment quotas have a kernel, the chain step
-//     that feeds it window attention and credit state does not yet).
+//     the budgets on the device; ams runs as four kernels (window attention, mass and credit,
+//     segments and quotas, candidates' mask: cuda::allocate in cuda/baselines.hpp), with its
+//     credit state in EventInfo::alloc_state as device memory ([L * Hkv][alloc_state_stride]
+//     floats, updated in place; null: a first event), the same masses bit for bit as the CPU.
 //   - mergers and quantizers are Session stages: select/compress ignore them, as on the CPU path.
 //   - paged caches (plan_paged / compress_paged: one request, gathered into a dense copy in the
 //     workspace, then compacted inside its blocks) and ragged batches (plan_batch /
 //     compress_batch: one event per sequence, in order).
-//   - not on this path yet: tensor parallelism (EventInfo::shard), stateful allocators (ams, the
-//     one reader of EventInfo::alloc_state), a Session on the device.
+//   - not on this path yet: tensor parallelism (EventInfo::shard), a Session on the device.
 //
 // Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
 // from the shapes, then uploaded before the event's first kernel; it waits for the work already
@@ -129,6 +132,16 @@ struct cuda_device {
   void score(const S& s, const Inputs<T>& in, const MutableScoreView& out, Scratch ws) const {
     cuda::score(with(ws), s, in, out);
   }
+  template <Element T>
+  std::size_t ams_bytes(const AMS& a, const Inputs<T>& in, Protect p) const {
+    return cuda::allocate_workspace_bytes(a, in, p);
+  }
+  template <Element T>
+  void ams(const AMS& a, const Inputs<T>& in, const MutableScoreView& s,
+           const std::int64_t* device_budgets, Protect p, float* state, std::int64_t stride,
+           Scratch ws) const {
+    cuda::allocate(with(ws), a, in, s, device_budgets, p, state, stride);
+  }
   std::size_t adakv_bytes(const AdaKV& a, const ScoreView& s, Protect p) const {
     return cuda::allocate_workspace_bytes(a, s, p);
   }
@@ -187,12 +200,13 @@ std::string unsupported_stage(const Policy& policy) {
     std::visit(
         [&](const auto& al) {
           using A = std::decay_t<decltype(al)>;
-          if constexpr (!std::is_same_v<A, AdaKV> && !host_allocator<A>())
+          if constexpr (!std::is_same_v<A, AdaKV> && !std::is_same_v<A, AMS> &&
+                        !host_allocator<A>())
             if (why.empty())
               why = kvpolicy::detail::cat(
                   "cuda policy '", policy.spec(), "': allocator '", A::name,
                   "' has no device path yet (device allocators: uniform, pyramid, depthkv, "
-                  "adakv); run it with the cpu_backend");
+                  "adakv, ams); run it with the cpu_backend");
         },
         a);
   return why;
@@ -203,7 +217,8 @@ struct EventSetup {
   std::vector<std::int64_t> budgets;  // per row, after the host-side allocators
   PolicyEvent event;
   std::int64_t layers = 0, heads = 0, tokens = 0;
-  bool device_allocators = false;  // some allocator runs as a kernel (adakv)
+  bool device_allocators = false;  // some allocator runs as a kernel (adakv; ams reads the
+                                   // budgets as they stand and changes none)
 };
 
 template <Element T>
@@ -213,8 +228,6 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
                                                     : policy.scorer_name();
   KVP_REQUIRE(!ev.shard, "cuda policy '", policy.spec(), "': tensor parallelism (EventInfo::",
               "shard) runs on the CPU path only for now");
-  KVP_REQUIRE(!ev.alloc_state || !policy.alloc_state(), "cuda policy '", policy.spec(),
-              "': allocator state (EventInfo::alloc_state) runs on the CPU path only for now");
   const std::string unsupported = unsupported_stage<T>(policy);
   KVP_REQUIRE(unsupported.empty(), unsupported);
   bool on_device = false;
@@ -299,9 +312,12 @@ Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const E
             scratch = std::max(scratch, dev.score_bytes(sc, in));
         },
         policy.scorer());
-    for (const auto& a : policy.allocators())
+    for (const auto& a : policy.allocators()) {
       if (const auto* ada = std::get_if<AdaKV>(&a))
         scratch = std::max(scratch, dev.adakv_bytes(*ada, scores, s.event.protect));
+      if (const auto* ams = std::get_if<AMS>(&a))
+        scratch = std::max(scratch, dev.ams_bytes(*ams, in, s.event.protect));
+    }
   }
   lay.budgets_at = align256(static_cast<std::size_t>(rows * lay.row_stride) * sizeof(float));
   lay.scratch_at =
@@ -379,9 +395,15 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
             dev.score(sc, in, wscores, scratch);
         },
         policy.scorer());
-    for (const auto& a : policy.allocators())
+    // In chain order (layers -> heads -> segments): ams, the last, reads adakv's budgets.
+    const std::int64_t state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : s.tokens;
+    for (const auto& a : policy.allocators()) {
       if (const auto* ada = std::get_if<AdaKV>(&a))
         dev.adakv(*ada, scores, dev_budgets, s.event.protect, dev_budgets, scratch);
+      if (const auto* ams = std::get_if<AMS>(&a))
+        dev.ams(*ams, in, wscores, dev_budgets, s.event.protect, ev.alloc_state, state_stride,
+                scratch);
+    }
   }
   dev.select(scores, dev_budgets, s.event.protect, out, scratch);
   return s.event;

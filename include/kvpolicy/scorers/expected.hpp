@@ -125,6 +125,9 @@ struct ExpectedAttention {
                   in.rope_inv_freq.size(), " RoPE frequencies for head_dim ", d, " (want ", d / 2,
                   ")");
       s.inv_freq.assign(in.rope_inv_freq.begin(), in.rope_inv_freq.end());
+      for (std::size_t i = 0; i < s.inv_freq.size(); ++i)
+        KVP_REQUIRE(std::isfinite(s.inv_freq[i]), "expected: RoPE frequency ", i, " is ",
+                    s.inv_freq[i], " (frequencies must be finite)");
     }
     const std::int64_t half = d / 2;
     s.nq = std::min(window, q.tokens);

@@ -32,6 +32,8 @@
 //   best scores over all of its heads, as KVzipPress(layerwise=True) does. kvpress's default is one
 //   threshold over all layers, which no allocator here implements.
 #pragma once
+#include <cmath>
+
 #include "kvpolicy/core/params.hpp"
 #include "kvpolicy/scorers/common.hpp"
 
@@ -67,6 +69,11 @@ struct KVzip {
     const std::int64_t L = in.layers(), H = in.kv_heads(), Tk = in.tokens();
     const std::int64_t st = in.state_row_stride();
     out.resize(L, H, Tk);
+    for (std::int64_t r = 0; r < L * H; ++r)  // (checked first: nothing is written on error)
+      for (std::int64_t j = 0; j < Tk; ++j)
+        KVP_REQUIRE(std::isfinite(in.reconstruction[r * st + j]), "kvzip: reconstruction score of "
+                    "layer ", r / H, ", head ", r % H, ", token ", j, " is ",
+                    in.reconstruction[r * st + j], " (scores must be finite)");
     cpu::parallel_for(be, L * H, [&](std::int64_t r) {
       auto dst = out.row(r / H, r % H);
       const float* src = in.reconstruction + r * st;
