@@ -7,7 +7,8 @@
 //    and the final shift.
 //  - mark: per segment, 64 block-wide counts find the quota-th largest key, then one masking pass.
 // Where the row logic multiplies and adds it calls fma itself, so FMA contraction cannot change a
-// result. Untuned: the mass kernel reads each row five times, the mark kernel a segment 65 times.
+// result. Untuned: the mass kernel reads each row five times, the mark kernel a segment 65 times
+// (with 192 block barriers per segment: rows cut into thousands of short segments are slow).
 #include <cstdint>
 
 #include "check.cuh"
@@ -73,8 +74,11 @@ __global__ void __launch_bounds__(mass_block) ams_mass_kernel(AmsMass a, AmsMass
     float* credit = a.state ? a.state + r * a.state_stride : nullptr;
     // A: the window's tokens take the pooled maximum (any order: max is exact).
     float mx = -INFINITY;
-    for (std::int64_t j = t; j < pooled; j += mass_block)
-      mx = fmaxf(mx, rows::mass_pooled(attn, pooled, j, p.kernel));
+    for (std::int64_t j = t; j < pooled; j += mass_block) {
+      const float v = rows::mass_pooled(attn, pooled, j, p.kernel);
+      mc[j] = v;  // read back by this thread in phase B
+      mx = fmaxf(mx, v);
+    }
     maxes[t] = mx;
     __syncthreads();
     for (int s = mass_block / 2; s > 0; s /= 2) {
@@ -85,7 +89,8 @@ __global__ void __launch_bounds__(mass_block) ams_mass_kernel(AmsMass a, AmsMass
     // B: m_cur before normalizing.
     double part = 0.0;
     for (std::int64_t j = t; j < T; j += mass_block) {
-      const double v = rows::mass_current(attn, pooled, j, p.kernel, mx);
+      const double v =
+          rows::mass_current(j < pooled ? static_cast<float>(mc[j]) : 0.f, pooled, j, mx);
       mc[j] = v;
       part += v;
     }

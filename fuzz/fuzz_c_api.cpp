@@ -282,7 +282,8 @@ const kvp_compress_params* with_event_inputs(Ctx& c, const kvp_compress_params* 
   *p = *prm;
   const std::int64_t rows = k.layers * k.heads;
   const auto buffer = [&](std::int64_t& stride) {
-    stride = pick_int(c.fdp, -1, k.tokens + 3);  // -1 and below-T strides are rejected
+    // (bounded: pick_int's edge values would ask for buffers of 2^62 floats)
+    stride = c.fdp.ConsumeIntegralInRange<std::int64_t>(-1, k.tokens + 3);  // < T: rejected
     const std::int64_t n = std::max<std::int64_t>(rows * std::max(stride, k.tokens), 1);
     auto* b = c.arena.alloc_n<float>(static_cast<std::size_t>(n));
     const kvp_fuzz::Fill f = kvp_fuzz::pick_fill(c.fdp, true);
@@ -293,7 +294,7 @@ const kvp_compress_params* with_event_inputs(Ctx& c, const kvp_compress_params* 
   if (c.fdp.ConsumeBool()) p->reconstruction = buffer(p->reconstruction_stride);
   if (c.fdp.ConsumeBool()) p->alloc_state = buffer(p->alloc_state_stride);
   if (c.fdp.ConsumeBool()) {  // rope_pairs floats (the library checks it against head_dim)
-    p->rope_pairs = pick_int(c.fdp, 0, k.dim / 2 + 1);
+    p->rope_pairs = c.fdp.ConsumeIntegralInRange<std::int64_t>(0, k.dim / 2 + 1);
     auto* f = c.arena.alloc_n<float>(static_cast<std::size_t>(p->rope_pairs + 1));
     const kvp_fuzz::Fill fill = kvp_fuzz::pick_fill(c.fdp, true);
     for (std::int64_t i = 0; i <= p->rope_pairs; ++i)
@@ -514,7 +515,8 @@ void check_info(const kvp_policy* p) {
     finding("kvp_policy_get_info failed on a live policy: %s", kvp_last_error());
   if (!info.spec || !info.scorer || info.spec[0] == '\0' || info.scorer[0] == '\0')
     finding("kvp_policy_get_info: empty spec or scorer");
-  if ((info.needs & ~(KVP_NEEDS_VALUES | KVP_NEEDS_QUERIES)) != 0 || info.query_window < -1)
+  if ((info.needs & ~(KVP_NEEDS_VALUES | KVP_NEEDS_QUERIES | KVP_NEEDS_RECONSTRUCTION)) != 0 ||
+      info.query_window < -1)
     finding("kvp_policy_get_info: needs %u, query_window %lld", info.needs,
             static_cast<long long>(info.query_window));
 }

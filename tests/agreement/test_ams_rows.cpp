@@ -154,8 +154,11 @@ std::vector<double> emulated_mass(const AMS& a, const std::vector<float>& attn, 
   double lanes[L];
   float mx = -INFINITY;
   for (int t = L - 1; t >= 0; --t)
-    for (std::int64_t j = t; j < pooled; j += L)
-      mx = std::max(mx, rows::mass_pooled(attn.data(), pooled, j, a.kernel));
+    for (std::int64_t j = t; j < pooled; j += L) {
+      const float v = rows::mass_pooled(attn.data(), pooled, j, a.kernel);
+      mc[static_cast<std::size_t>(j)] = v;
+      mx = std::max(mx, v);
+    }
   const auto phase = [&](auto&& per_token) {
     for (int t = L - 1; t >= 0; --t) {
       double part = 0.0;
@@ -165,8 +168,8 @@ std::vector<double> emulated_mass(const AMS& a, const std::vector<float>& attn, 
     return rows::lanes_total(lanes);
   };
   const double s1 = phase([&](std::size_t j) {
-    return mc[j] = rows::mass_current(attn.data(), pooled, static_cast<std::int64_t>(j),
-                                      a.kernel, mx);
+    return mc[j] = rows::mass_current(static_cast<float>(mc[j]), pooled,
+                                      static_cast<std::int64_t>(j), mx);
   });
   const double s2 = phase([&](std::size_t j) {
     mc[j] /= s1;

@@ -516,7 +516,9 @@ TEST_CASE("device policy on the GPU: every device scorer x allocator chain keeps
           const auto offsets = kvtest::download<std::int64_t>(off, static_cast<std::size_t>(plan.rows + 1));
           const auto indices = kvtest::download<std::int32_t>(idx, static_cast<std::size_t>(offsets.back()));
           const Selection got = cuda::from_csr(kL, kH, offsets, indices);
-          if (p.scorer_name() == "expected")
+          // Expected attention's scores, and ams's masses (through the window attention), equal
+          // the CPU's to fp32 rounding only.
+          if (p.scorer_name() == "expected" || spec.find("ams") != std::string::npos)
             require_nearly_same_rows(want, got);
           else
             require_same_rows(want, got);

@@ -101,11 +101,16 @@ inline std::vector<double> current_mass(std::span<const float> attn, std::int64_
   const auto T = static_cast<std::int64_t>(attn.size());
   const std::int64_t pooled = T - std::min(w, T);
   float mx = -std::numeric_limits<float>::infinity();
-  for (std::int64_t j = 0; j < pooled; ++j)
-    mx = std::max(mx, rows::mass_pooled(attn.data(), pooled, j, kernel));
   std::vector<double> m(static_cast<std::size_t>(T));
-  for (std::int64_t j = 0; j < T; ++j)
-    m[static_cast<std::size_t>(j)] = rows::mass_current(attn.data(), pooled, j, kernel, mx);
+  for (std::int64_t j = 0; j < pooled; ++j) {
+    const float p = rows::mass_pooled(attn.data(), pooled, j, kernel);
+    m[static_cast<std::size_t>(j)] = p;
+    mx = std::max(mx, p);
+  }
+  for (std::int64_t j = 0; j < T; ++j) {
+    double& x = m[static_cast<std::size_t>(j)];
+    x = rows::mass_current(static_cast<float>(x), pooled, j, mx);  // (a float kept as a double)
+  }
   const double s = detail::lane_total(m);
   for (double& v : m) v /= s;
   return m;

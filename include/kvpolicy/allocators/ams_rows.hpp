@@ -1,4 +1,4 @@
-// AMS per row as KVP_HD functions on raw arrays, the per-row logic of the CUDA kernels (cuda/ams.cu,
+// AMS per row as KVP_HD functions on raw arrays (the pooling is row_math's), the per-row logic of the CUDA kernels (cuda/ams.cu,
 // one thread block per (layer, KV head) row) and of the CPU allocator alike:
 //  - steps 1-2 (the mass): per-token phases with sums in kMassLanes fixed lanes, which the CPU
 //    (ams::current_mass, ams::update_credit) runs as loops and the kernel as one thread per lane,
@@ -10,7 +10,8 @@
 // operation (same summation order, same lower_bound, same rounding), so integers agree exactly.
 // The candidates' bitwise search is checked against ams::mark_candidates' nth_element.
 // tests/agreement/test_ams_rows.cpp checks that against the CPU allocator's functions.
-// Free of CUDA, Eigen and the standard library's non-constexpr algorithms.
+// Free of CUDA and Eigen; the pooling is row_math::pool_at (scorers/snapkv_row.hpp), the order
+// keys core/topk_key.hpp.
 #pragma once
 #include <cfloat>
 #include <cmath>
@@ -224,8 +225,8 @@ namespace kvpolicy::ams::rows {
 // order, then the lane sums are added in lane order (lanes_total). The products that meet a sum
 // are written as fma, so that compilers cannot contract them differently on host and device.
 // Phases for a row of T tokens whose first `pooled` = T - min(w, T) precede the window:
-//   A (j < pooled):  mass_pooled(j), whose maximum mx the window's tokens take;
-//   B (every j):     m_cur[j] = mass_current(j, mx);                      S1 = lane sums
+//   A (j < pooled):  m_cur[j] = mass_pooled(j), whose maximum mx the window's tokens take;
+//   B (every j):     m_cur[j] = mass_current(m_cur[j], j, mx);            S1 = lane sums
 //   C (every j):     m_cur[j] /= S1; c[j] = mass_credit(m_cur[j], credit[j]); S2 = lane sums
 //   D (every j):     out[j] = mass_mix(m_cur[j], c[j], S2);                 S3 = lane sums
 //   E (every j):     out[j] /= S3.
@@ -254,11 +255,11 @@ KVP_HD inline float mass_pooled(const float* attn, std::int64_t pooled, std::int
   return row_math::pool_at(attn, pooled, j, kernel, Pool::avg);
 }
 
-// Phase B: token j's current mass before normalizing (uniform when no token precedes the window).
-KVP_HD inline double mass_current(const float* attn, std::int64_t pooled, std::int64_t j,
-                                  int kernel, float mx) {
+// Phase B: token j's current mass before normalizing from its phase A value `p` (read for
+// j < pooled only): uniform when no token precedes the window.
+KVP_HD inline double mass_current(float p, std::int64_t pooled, std::int64_t j, float mx) {
   if (pooled == 0) return relu_eps(1.0);
-  return relu_eps(j < pooled ? mass_pooled(attn, pooled, j, kernel) : mx);
+  return relu_eps(j < pooled ? p : mx);
 }
 
 // Phase C: the credit after this event, lambda credit_prev + (1 - lambda) m_cur (stored in fp32),

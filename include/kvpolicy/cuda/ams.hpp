@@ -2,7 +2,8 @@
 // the KVP_HD row logic of allocators/ams_rows.hpp that the CPU allocator runs too:
 //  - ams_mass (steps 1-2): the row's mixed mass m from its window attention and credit state (the
 //    credit updated in place), 256 lanes whose sums are added in the CPU's lane order, so m equals
-//    AMS::mass bit for bit; and each row's budget for the unprotected tokens;
+//    AMS::mass bit for bit for the same window attention (cuda::window_attention itself equals
+//    the CPU's to fp32 rounding); and each row's budget for the unprotected tokens;
 //  - ams_segment_quotas (steps 3-4): the segments (cumulative-mass cuts, split/merge) and the
 //    per-segment quotas of the row's unprotected tokens (sequential where the CPU order of
 //    summation must be kept, the per-segment sums in parallel), so the integers equal

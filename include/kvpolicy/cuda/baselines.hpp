@@ -254,7 +254,10 @@ std::size_t allocate_workspace_bytes(const AMS& a, const Inputs<E>& in, Protect 
 // budget >= tokens are left as they are); `p` is the chain's protection (AllocContext::protect,
 // which includes AMS's sinks and keep_last). A budget below the protected count cannot be checked
 // on the device: the caller checks it (the device policy runner checks the host budgets, and
-// adakv keeps its budgets at or above it). Four launches, no host synchronisation.
+// adakv keeps its budgets at or above it). The window attention's launches, then three kernels;
+// no host synchronisation. The window attention equals the CPU's to fp32 rounding (summation
+// order, exp), so masses and credits equal the CPU's to about 1e-7 relative, not bitwise, and
+// kept sets can differ where a cut or a quota sits on a rounding edge.
 template <Element E>
 void allocate(const cuda_backend& be, const AMS& a, const Inputs<E>& in,
               const MutableScoreView& scores, const std::int64_t* device_budgets, Protect p,

@@ -28,7 +28,9 @@
 //     the budgets on the device; ams runs as four kernels (window attention, mass and credit,
 //     segments and quotas, candidates' mask: cuda::allocate in cuda/baselines.hpp), with its
 //     credit state in EventInfo::alloc_state as device memory ([L * Hkv][alloc_state_stride]
-//     floats, updated in place; null: a first event), the same masses bit for bit as the CPU.
+//     floats, updated in place; null: a first event). Its row arithmetic is the CPU's bit for
+//     bit; its window attention equals the CPU's to fp32 rounding, so masses and credits agree
+//     to about 1e-7 relative and a cut or quota on a rounding edge can move.
 //   - mergers and quantizers are Session stages: select/compress ignore them, as on the CPU path.
 //   - paged caches (plan_paged / compress_paged: one request, gathered into a dense copy in the
 //     workspace, then compacted inside its blocks) and ragged batches (plan_batch /
