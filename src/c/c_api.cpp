@@ -655,8 +655,14 @@ extern "C" kvp_status kvp_cuda_compact(const kvp_tensor*, const kvp_csr*, void*,
 namespace {
 
 // The checks kvp_cuda_compress_plan and kvp_cuda_compress share (both builds, before anything
-// touches the device), then f(policy, params, budget, inputs, keys, values, event) with the
-// event's views of device memory (nothing is read through them here).
+// touches the device), then f(policy, params, budget, inputs, keys, values, event, collective)
+// with the event's views of device memory (nothing is read through them here).
+// Tensor parallelism (params.shard) with a policy that exchanges (adakv): cuda::plan and
+// cuda::select agree on every rank's checks themselves; a rank that fails before them (these
+// checks, or f's buffer checks between plan and select) reports its error through the same
+// agreement, so that every rank fails and none is left waiting. f sets `collective` while it is
+// inside a call that agrees by itself. (Builds without CUDA stop every rank before any
+// collective.)
 template <class F>
 void with_device_event(const kvp_policy* policy, const kvp_compress_params* params,
                        const kvp_tensor* keys, const kvp_tensor* values, const kvp_tensor* queries,
@@ -666,29 +672,55 @@ void with_device_event(const kvp_policy* policy, const kvp_compress_params* para
   kvp_compress_params storage;
   const kvp_compress_params& prm = params_or_default(params, storage);
   const Policy& p = policy->policy;
-  require_policy_stages_dense(p, call);
-  require_no_shard(prm, call);
-  const Budget budget = budget_from(prm.budget, "params.budget");
-  dispatch(keys->dtype, "keys", [&](auto tag) {
-    using T = decltype(tag);
-    const std::string why = cuda::detail::unsupported_stage<T>(p);
-    if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: " + std::string(call) + ": " + why);
-    const KVView<T> k = view_of<T>(*keys, "keys");
-    KVView<T> v;
-    if (values && values->data) v = view_of<T>(*values, "values");
-    KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
-                "values to compact, or compact = 0 to select only)");
-    Inputs<T> in;
-    in.keys = k;
-    in.values = v;
-    if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
-    EventInfo ev;
-    apply_event_inputs(prm, in, ev);
-    // The event's host checks (shapes, inputs the stages need, budgets), in builds without CUDA
-    // too, before anything is sized or launched.
-    (void)cuda::detail::setup_event(p, in, budget, ev);
-    f(p, prm, budget, in, k, v, ev);
-  });
+  HeadShard shard;
+  EventInfo ev;
+  if (prm.shard) {
+    shard = {prm.shard->rank,        prm.shard->ranks,      prm.shard->first_head,
+             prm.shard->model_heads, prm.shard->all_gather, prm.shard->user};
+    ev.shard = &shard;
+  }
+#if defined(KVPOLICY_WITH_CUDA)
+  const bool exchanges = prm.shard && shard.ranks > 1 && shard.all_gather && p.spans_heads();
+#else
+  const bool exchanges = false;
+#endif
+  bool collective = false;
+  try {
+    require_policy_stages_dense(p, call);
+    const Budget budget = budget_from(prm.budget, "params.budget");
+    dispatch(keys->dtype, "keys", [&](auto tag) {
+      using T = decltype(tag);
+      const std::string why = cuda::detail::unsupported_stage<T>(p);
+      if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: " + std::string(call) + ": " + why);
+      const KVView<T> k = view_of<T>(*keys, "keys");
+      KVView<T> v;
+      if (values && values->data) v = view_of<T>(*values, "values");
+      KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
+                  "values to compact, or compact = 0 to select only)");
+      Inputs<T> in;
+      in.keys = k;
+      in.values = v;
+      if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+      apply_event_inputs(prm, in, ev);
+      // The event's host checks (shapes, inputs the stages need, budgets, the shard), in builds
+      // without CUDA too, before anything is sized or launched.
+      (void)cuda::detail::setup_event(p, in, budget, ev);
+      f(p, prm, budget, in, k, v, static_cast<const EventInfo&>(ev), collective);
+    });
+  } catch (const Error& e) {
+    if (!exchanges || collective) throw;
+    detail::agree(shard, detail::error_text(e), 0, 0, 0, false);  // throws on every rank
+  } catch (const CError& e) {  // (a status of its own, e.g. KVP_ERROR_BUFFER_TOO_SMALL)
+    if (!exchanges || collective) throw;
+    const std::string_view prefix = "kvpolicy: ";
+    std::string_view m = e.message;
+    if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
+    try {
+      detail::agree(shard, std::string(m), 0, 0, 0, false);  // fails the other ranks
+    } catch (const Error&) {
+    }
+    throw;  // this rank keeps its own status
+  }
 }
 
 }  // namespace
@@ -702,7 +734,9 @@ extern "C" kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
     KVP_C_NONNULL(out, "out");
     with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress_plan",
                       [&](const Policy& p, const kvp_compress_params&, const Budget& budget,
-                          const auto& in, const auto&, const auto&, const EventInfo& ev) {
+                          const auto& in, const auto&, const auto&, const EventInfo& ev,
+                          bool& collective) {
+                        collective = true;
                         const cuda::PolicyPlan plan =
                             cuda_call([&] { return cuda::plan(p, in, budget, ev); });
                         *out = {plan.workspace_bytes, plan.rows, plan.kept_capacity};
@@ -720,8 +754,10 @@ extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
     with_device_event(
         policy, params, keys, values, queries, "kvp_cuda_compress",
         [&](const Policy& p, const kvp_compress_params& prm, const Budget& budget, const auto& in,
-            const auto& k, const auto& v, const EventInfo& ev) {
+            const auto& k, const auto& v, const EventInfo& ev, bool& collective) {
+          collective = true;
           const cuda::PolicyPlan plan = cuda_call([&] { return cuda::plan(p, in, budget, ev); });
+          collective = false;  // the buffer checks fail every rank through select's agreement
           if (workspace_bytes < plan.workspace_bytes)
             raise(KVP_ERROR_BUFFER_TOO_SMALL,
                   "kvpolicy: kvp_cuda_compress: workspace_bytes is " +
@@ -736,6 +772,7 @@ extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
                       "out->offsets or out->indices is NULL");
           cuda::CsrSelection sel = csr_of(*out);
           const cuda_backend be{stream, workspace, workspace_bytes};
+          collective = true;
           const cuda::PolicyEvent e = cuda_call([&] {
             return prm.compact ? cuda::compress(be, p, k, v, in, budget, sel, ev)
                                : cuda::select(be, p, in, budget, sel, ev);

@@ -154,7 +154,7 @@ inline const kvp_compress_params& params_or_default(const kvp_compress_params* p
   return *p;
 }
 
-// Tensor parallelism (kvp_compress_params.shard) is served by kvp_compress only.
+// Tensor parallelism (kvp_compress_params.shard) is served by kvp_compress and kvp_cuda_compress.
 inline void require_no_shard(const kvp_compress_params& p, const char* call) {
   if (p.shard)
     raise(KVP_ERROR_UNSUPPORTED, std::string("kvpolicy: ") + call +

@@ -451,10 +451,12 @@ TEST_CASE("device policy: stages without a device path, and bad arguments, are r
                             Contains("DeviceGuard: CUDA error"));
   }
 #endif
-  const HeadShard shard{0, 1, 0, kH, nullptr, nullptr};
+  // A shard's own checks (tests/agreement/test_device_head_shard.cpp runs sharded events).
+  const HeadShard shard{0, 1, 0, kH + 1, nullptr, nullptr};
   EventInfo sharded;
   sharded.shard = &shard;
-  REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm"), in, b, sharded), Contains("tensor parallelism"));
+  REQUIRE_THROWS_WITH(plan_emulated(Policy("knorm"), in, b, sharded),
+                      Contains("a single rank holds every KV head"));
 
   // Workspace and capacity below the plan: refused before any kernel runs.
   const Policy p("snapkv(window=16) | adakv");

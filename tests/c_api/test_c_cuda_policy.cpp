@@ -79,10 +79,30 @@ TEST_CASE("C ABI: kvp_cuda_compress checks its arguments before touching the dev
     CHECK(kvp_cuda_compress_plan(m, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
     CHECK(mentions("merger"));
     kvp_policy_destroy(m);
-    const kvp_head_shard shard{0, 1, 0, kH, nullptr, nullptr};
-    prm.shard = &shard;
-    CHECK(kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan) == KVP_ERROR_UNSUPPORTED);
-    CHECK(mentions("shard"));
+  }
+  SECTION("a shard: checked on the host; scorers that combine heads refused by name") {
+    // (Sharded runs: tests/agreement/test_device_head_shard.cpp; the ranks' agreement on errors:
+    // tests/c_api/test_c_head_shard.cpp.)
+    kvp_policy* t = make("tova");
+    const kvp_head_shard two{0, 2, 0, kH + 1, nullptr, nullptr};
+    prm.shard = &two;
+    CHECK(kvp_cuda_compress_plan(t, &prm, &k, &v, &q, &plan) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("scorer 'tova' combines KV heads across tensor-parallel ranks"));
+    kvp_policy_destroy(t);
+    const kvp_head_shard misfit{1, 2, 1, kH, nullptr, nullptr};
+    prm.shard = &misfit;
+    CHECK(kvp_cuda_compress(p, &prm, &k, &v, &q, nullptr, 0, nullptr, &out) ==
+          KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("heads [1, 3) of rank 1 do not fit the model's 2 KV heads"));
+    const kvp_head_shard no_gather{0, 2, 0, kH + 1, nullptr, nullptr};
+    prm.shard = &no_gather;  // adakv exchanges: it needs the engine's all_gather
+    const kvp_status s = kvp_cuda_compress_plan(p, &prm, &k, &v, &q, &plan);
+    if (kvp_cuda_device_count() > 0 || s != KVP_ERROR_UNSUPPORTED) {
+      CHECK(s == KVP_ERROR_INVALID_ARGUMENT);
+      CHECK(mentions("needs HeadShard::all_gather"));
+    } else {
+      CHECK(mentions("no CUDA support"));  // a build without CUDA stops before any exchange
+    }
   }
   SECTION("bad budgets, shapes and dtypes") {
     prm.budget = {KVP_BUDGET_RATIO, 1.5};

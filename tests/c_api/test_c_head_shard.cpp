@@ -1,7 +1,7 @@
 // The C ABI's tensor parallelism (kvp_compress_params.shard): ranks simulated by threads with an
 // in-memory all-gather call kvp_compress on strided views of their KV heads and keep what one
 // call over every head keeps; a failing rank's error reaches every rank; the batch and paged
-// entry points refuse a shard.
+// entry points refuse a shard; kvp_cuda_compress_plan fails every rank with one rank's error.
 #include <string>
 #include <thread>
 #include <vector>
@@ -124,6 +124,50 @@ TEST_CASE("C ABI: a rank's bad arguments fail every rank's kvp_compress", "[c_ap
   CHECK(out[0].error.find("out.capacity is 99") != std::string::npos);
   CHECK(out[1].error.find("head shard: rank 0 failed its checks: out.capacity is 99") !=
         std::string::npos);
+}
+
+TEST_CASE("C ABI: a rank's bad arguments fail every rank's kvp_cuda_compress_plan",
+          "[c_api][head_shard]") {
+  // kvp_cuda_compress_plan reads shapes only, so host pointers stand in for device memory. Rank 1
+  // passes no queries; with CUDA the others fail through the ranks' agreement (before any device
+  // call), without CUDA every rank stops before any exchange.
+  Cache c(14);
+  kvp_policy* p = ctest::make("snapkv(window=4) | adakv");
+  constexpr int R = 3;
+  kvtest::Group group(R);
+  std::vector<kvtest::Group::Member> members(R);
+  std::vector<kvp_status> status(R);
+  std::vector<std::string> error(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r)
+    threads.emplace_back([&, r] {
+      members[static_cast<std::size_t>(r)] = {&group, r, 0};
+      kvp_head_shard shard{r, R, r, H, &kvtest::Group::all_gather, &members[static_cast<std::size_t>(r)]};
+      kvp_compress_params prm = kvp_compress_default_params();
+      prm.shard = &shard;
+      const kvp_tensor k = Cache::heads(c.k, H, T, r, 1), v = Cache::heads(c.v, H, T, r, 1);
+      const kvp_tensor q = Cache::heads(c.q, H * G, NQ, r * G, G);
+      kvp_cuda_plan plan{};
+      status[static_cast<std::size_t>(r)] =
+          kvp_cuda_compress_plan(p, &prm, &k, &v, r == 1 ? nullptr : &q, &plan);
+      error[static_cast<std::size_t>(r)] = kvp_last_error();
+    });
+  for (auto& t : threads) t.join();
+  kvp_policy_destroy(p);
+  REQUIRE(status[1] == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(error[1].find("queries: this policy needs the last 4 queries") != std::string::npos);
+  for (int r : {0, 2}) {
+    INFO("rank " << r << ": " << error[static_cast<std::size_t>(r)]);
+#if defined(KVPOLICY_WITH_CUDA)
+    CHECK(status[static_cast<std::size_t>(r)] == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(error[static_cast<std::size_t>(r)].find("head shard: rank 1 failed its checks: queries") !=
+          std::string::npos);
+    CHECK(members[static_cast<std::size_t>(r)].calls == 1);
+#else
+    CHECK(status[static_cast<std::size_t>(r)] == KVP_ERROR_UNSUPPORTED);
+    CHECK(members[static_cast<std::size_t>(r)].calls == 0);
+#endif
+  }
 }
 
 TEST_CASE("C ABI: kvp_compress_batch and kvp_compress_paged refuse a shard", "[c_api][head_shard]") {

@@ -5,13 +5,15 @@
 // budgets (host or device) each step reads, the protection it passes, the workspace it carves
 // (each kernel's scratch must lie inside the caller's workspace, clear of the scores and budgets,
 // and is overwritten with NaN bytes after every kernel, as a kernel's leftovers), and the CSR
-// capacity it was promised.
+// capacity it was promised. A failed check throws std::logic_error (not a Catch assertion: the
+// tensor-parallel tests run the emulation on several threads at once).
 #pragma once
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -19,6 +21,13 @@
 #include <kvpolicy/cuda/policy.hpp>
 
 namespace kvtest {
+
+#define KVT_EMULATION_EXPECT(cond)                                                     \
+  do {                                                                                 \
+    if (!(cond))                                                                       \
+      throw std::logic_error(std::string("device emulation: check failed: ") + #cond + \
+                             " (line " + std::to_string(__LINE__) + ")");              \
+  } while (false)
 
 struct EmulatedDevice {
   // The caller's workspace (set by the test) and the regions the runner must not hand out.
@@ -50,9 +59,9 @@ struct EmulatedDevice {
     kvpolicy::Stats stats;
     kvpolicy::ScoreMap m;
     s.score(kvpolicy::cpu_backend{}, in, stats, m);
-    REQUIRE(m.layers() == out.layers);
-    REQUIRE(m.heads() == out.heads);
-    REQUIRE(m.tokens() == out.tokens);
+    KVT_EMULATION_EXPECT(m.layers() == out.layers);
+    KVT_EMULATION_EXPECT(m.heads() == out.heads);
+    KVT_EMULATION_EXPECT(m.tokens() == out.tokens);
     for (std::int64_t r = 0; r < out.layers * out.heads; ++r) {
       float* row = out.data + r * out.row_stride;
       std::copy_n(m.data() + r * out.tokens, out.tokens, row);
@@ -118,6 +127,10 @@ struct EmulatedDevice {
     reserve(dst, bytes);
     std::memcpy(dst, src, bytes);
   }
+  void download(void* dst, const void* src, std::size_t bytes) const {
+    calls.push_back("download");
+    std::memcpy(dst, src, bytes);
+  }
   void select(const kvpolicy::cuda::ScoreView& s, const std::int64_t* device, kvpolicy::Protect p,
               kvpolicy::cuda::CsrSelection& out, kvpolicy::cuda::Scratch ws) const {
     calls.push_back("select:device");
@@ -157,7 +170,7 @@ struct EmulatedDevice {
                      kvpolicy::cuda::Scratch ws) const {
     check_scratch(ws, paged_compact_bytes(keys, t), "paged_compact");
     calls.push_back("paged_compact");
-    REQUIRE(t.requests == 1);
+    KVT_EMULATION_EXPECT(t.requests == 1);
     const kvpolicy::PagedSequence seq{
         std::span<const std::int32_t>(t.ids + t.offsets[0],
                                       static_cast<std::size_t>(t.offsets[1] - t.offsets[0])),
@@ -174,14 +187,15 @@ struct EmulatedDevice {
   // A kernel's scratch: inside the workspace's scratch part (after the scores and budgets, which
   // must outlive it) and at least what the kernel asked for.
   void check_scratch(kvpolicy::cuda::Scratch ws, std::size_t need, const char* op) const {
-    INFO(op << ": scratch of " << ws.bytes << " bytes, kernel needs " << need);
-    REQUIRE(ws.bytes >= need);
+    if (ws.bytes < need)
+      throw std::logic_error(std::string(op) + ": scratch of " + std::to_string(ws.bytes) +
+                             " bytes, kernel needs " + std::to_string(need));
     if (need == 0) return;
     const auto* p = static_cast<const std::byte*>(ws.data);
-    REQUIRE(p >= ws_begin);
-    REQUIRE(p >= reserved_end);
-    REQUIRE(p + ws.bytes <= ws_begin + ws_bytes);
-    REQUIRE(reinterpret_cast<std::uintptr_t>(p) % 256 == 0);
+    KVT_EMULATION_EXPECT(p >= ws_begin);
+    KVT_EMULATION_EXPECT(p >= reserved_end);
+    KVT_EMULATION_EXPECT(p + ws.bytes <= ws_begin + ws_bytes);
+    KVT_EMULATION_EXPECT(reinterpret_cast<std::uintptr_t>(p) % 256 == 0);
   }
   void reserve(const void* data, std::size_t bytes) const {
     const auto* end = static_cast<const std::byte*>(data) + bytes;
@@ -217,9 +231,9 @@ struct EmulatedDevice {
     kvpolicy::Selection sel;
     kvpolicy::cpu::select(kvpolicy::cpu_backend{}, map_of(s), b, p, sel);
     const kvpolicy::cuda::HostCsr c = kvpolicy::cuda::to_csr(sel);
-    REQUIRE(out.layers == s.layers);
-    REQUIRE(out.heads == s.heads);
-    REQUIRE(static_cast<std::int64_t>(c.indices.size()) <= out.capacity);
+    KVT_EMULATION_EXPECT(out.layers == s.layers);
+    KVT_EMULATION_EXPECT(out.heads == s.heads);
+    KVT_EMULATION_EXPECT(static_cast<std::int64_t>(c.indices.size()) <= out.capacity);
     std::copy(c.offsets.begin(), c.offsets.end(), out.offsets);
     std::copy(c.indices.begin(), c.indices.end(), out.indices);
     poison(ws);

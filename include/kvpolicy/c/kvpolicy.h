@@ -52,8 +52,9 @@ extern "C" {
 /* 2: kvp_compress_params.shard and kvp_policy_info.spans_heads (tensor parallelism).
  * 3: kvp_cuda_compress_plan and kvp_cuda_compress (a whole policy on device tensors).
  * 4: kvp_compress_params.reconstruction, alloc_state, rope_inv_freq (kvzip, ams's credit and
- *    expected attention's frequencies per call, host or device). */
-#define KVP_ABI_VERSION 4
+ *    expected attention's frequencies per call, host or device).
+ * 5: kvp_cuda_compress(_plan) take kvp_compress_params.shard (tensor parallelism on device). */
+#define KVP_ABI_VERSION 5
 
 typedef enum kvp_status {
   KVP_OK = 0,
@@ -137,8 +138,8 @@ typedef struct kvp_compress_params {
   kvp_budget budget;     /* default: ratio 0.5 */
   int compact;           /* nonzero (default): compact keys/values in place; 0: select only */
   int threads;           /* OpenMP threads of the CPU path; <= 0 (default): OpenMP's default */
-  /* NULL (default): the call holds every KV head. kvp_compress only (kvp_compress_batch and
-   * kvp_compress_paged refuse a shard with KVP_ERROR_UNSUPPORTED). */
+  /* NULL (default): the call holds every KV head. kvp_compress and kvp_cuda_compress(_plan)
+   * (kvp_compress_batch and kvp_compress_paged refuse a shard with KVP_ERROR_UNSUPPORTED). */
   const kvp_head_shard* shard;
   /* Per-event inputs some stages read; NULL (default): not given. In host memory for
    * kvp_compress, in device memory for kvp_cuda_compress (rope_inv_freq: host memory for both);
@@ -422,10 +423,17 @@ KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selecti
  * stages: scorers snapkv, h2o, tova, knorm, keydiff, streaming, expected (its RoPE base from
  * the spec, "expected(theta=...)", or params->rope_inv_freq), kvzip (params->reconstruction, in
  * device memory); allocators uniform, pyramid, depthkv, adakv, ams (its credit in
- * params->alloc_state, device memory; NULL: a first event). A plug-in scorer, params->shard, or
- * a policy with a merger or quantizer gives KVP_ERROR_UNSUPPORTED (use kvp_compress). The kept sets equal
+ * params->alloc_state, device memory; NULL: a first event). A plug-in scorer, or a policy with
+ * a merger or quantizer gives KVP_ERROR_UNSUPPORTED (use kvp_compress). The kept sets equal
  * kvp_compress's on the same data (expected attention's up to near-ties: its device scores
  * equal the host's to fp32 rounding).
+ * params->shard (tensor parallelism over KV heads, as for kvp_compress): each rank passes its own
+ * heads' device tensors and keeps what one call over every head keeps for them. adakv exchanges
+ * through all_gather on the host (two more host synchronisations: this rank's scores are
+ * downloaded, the budgets uploaded); tova and expected, which combine heads inside the scorer,
+ * give KVP_ERROR_INVALID_ARGUMENT under a shard of more than one rank. With adakv, every rank
+ * calls kvp_cuda_compress_plan and kvp_cuda_compress alike (each takes part in the ranks'
+ * agreement on their arguments), and kept_capacity is every token of the rank's rows.
  * keys, values, queries: device memory, as kvp_compress takes them (values may be NULL when
  * params->compact is 0). params->threads is ignored. NaN/Inf in the inputs are not checked.
  * One host synchronisation per call: the per-row budgets are computed on the host and uploaded

@@ -35,13 +35,25 @@
 //   - paged caches (plan_paged / compress_paged: one request, gathered into a dense copy in the
 //     workspace, then compacted inside its blocks) and ragged batches (plan_batch /
 //     compress_batch: one event per sequence, in order).
-//   - not on this path yet: tensor parallelism (EventInfo::shard), a Session on the device.
+//   - tensor parallelism over KV heads (select / compress with EventInfo::shard, dense caches;
+//     core/head_shard.hpp): each rank runs the chain on its own heads with the model's budget
+//     split, and keeps what a single-rank run keeps for those heads. Chains that combine no
+//     heads exchange nothing. adakv gathers every rank's numbers through the engine's
+//     all_gather on the host (below); the ranks first agree on their checks, so that an error on
+//     one rank is raised on all, as on the CPU path. Scorers that combine heads (tova,
+//     expected) are refused under a shard of more than one rank. With adakv under a shard,
+//     plan() takes part in the agreement too (every rank calls plan() and select() alike), and
+//     its kept_capacity is every token (a rank's heads may gain budget from another rank's).
+//   - not on this path yet: a Session on the device; tensor parallelism for batches and paged
+//     caches.
 //
 // Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
 // from the shapes, then uploaded before the event's first kernel; it waits for the work already
 // on be.stream, not for this event's; a batch has one per sequence). Every kernel after it is
 // asynchronous: the CSR selection (and the compacted cache) are ready when the stream is. Inputs
-// must stay valid until then.
+// must stay valid until then. adakv under a shard adds two: the download of this rank's scores
+// (4 * layers * heads * tokens bytes) after the scorer's kernels, and the upload of the budgets
+// that its host step and collectives computed.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -158,6 +170,10 @@ struct cuda_device {
   void upload(void* dst, const void* src, std::size_t bytes) const {
     copy_to_device(dst, src, bytes, be.stream);
   }
+  // Blocking too: waits for the stream's earlier work (the scorer's kernels), then copies.
+  void download(void* dst, const void* src, std::size_t bytes) const {
+    copy_to_host(dst, src, bytes, be.stream);
+  }
   void select(const ScoreView& s, const std::int64_t* device_budgets, Protect p,
               CsrSelection& out, Scratch ws) const {
     cuda::select(with(ws), s, device_budgets, p, out);
@@ -221,17 +237,43 @@ struct EventSetup {
   std::int64_t layers = 0, heads = 0, tokens = 0;
   bool device_allocators = false;  // some allocator runs as a kernel (adakv; ams reads the
                                    // budgets as they stand and changes none)
+  // Tensor parallelism with a chain that combines heads (adakv): the ranks agree on their checks
+  // and on whether any evicts, and adakv runs on the host with the engine's all-gather.
+  const HeadShard* exchange = nullptr;
 };
 
+// A sharded chain whose scorer combines heads (tova's mean over every head, expected's layer
+// maximum) needs the ranks' numbers inside the scorer: not on the device path yet. Allocators
+// that combine heads (adakv) exchange on the host (see select()).
 template <Element T>
-EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& budget,
+std::string unsupported_shard(const Policy& policy, const HeadShard* shard) {
+  if (!kvpolicy::detail::sharded(shard) || policy.keeps_all()) return {};
+  std::string why;
+  std::visit(
+      [&](const auto& s) {
+        using S = std::decay_t<decltype(s)>;
+        if constexpr (kvpolicy::detail::spans_heads<S>())
+          why = kvpolicy::detail::cat(
+              "cuda policy '", policy.spec(), "': scorer '", S::name,
+              "' combines KV heads across tensor-parallel ranks (EventInfo::shard), which runs "
+              "on the CPU path only; on the device, shard a scorer that scores each head alone "
+              "(h2o, snapkv, streaming, knorm, keydiff, kvzip), with any allocator");
+      },
+      policy.scorer());
+  return why;
+}
+
+template <Element T>
+EventSetup setup_local(const Policy& policy, const Inputs<T>& in, const Budget& budget,
                        const EventInfo& ev) {
   const std::string_view label = policy.keeps_all() ? std::string_view("(keep all)")
                                                     : policy.scorer_name();
-  KVP_REQUIRE(!ev.shard, "cuda policy '", policy.spec(), "': tensor parallelism (EventInfo::",
-              "shard) runs on the CPU path only for now");
+  const HeadShard* shard = ev.shard;
   const std::string unsupported = unsupported_stage<T>(policy);
   KVP_REQUIRE(unsupported.empty(), unsupported);
+  const std::string unsharded = unsupported_shard<T>(policy, shard);
+  KVP_REQUIRE(unsharded.empty(), unsharded);
+  if (shard) kvpolicy::detail::check_shard(*shard, in.kv_heads());
   bool on_device = false;
   for (const auto& a : policy.allocators()) on_device = on_device || std::holds_alternative<AdaKV>(a);
   validate(in, policy.needs(), policy.query_window());
@@ -244,24 +286,29 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
   s.heads = in.kv_heads();
   s.tokens = in.tokens();
   s.device_allocators = on_device;
+  if (kvpolicy::detail::sharded(shard) && policy.spans_heads()) s.exchange = shard;
   const std::int64_t L = s.layers, H = s.heads, Tk = s.tokens, rows = L * H;
+  // The model's rows (every rank's): budgets and protection as a single-rank run splits them.
+  const std::int64_t Hm = kvpolicy::detail::model_heads(shard, H), model_rows = L * Hm;
   if (policy.keeps_all()) {
-    KVP_REQUIRE(budget.global(L, H, Tk) >= rows * Tk, "policy '", policy.spec(),
+    KVP_REQUIRE(budget.global(L, Hm, Tk) >= model_rows * Tk, "policy '", policy.spec(),
                 "' has no scorer and keeps every token; the budget keeps ",
-                budget.global(L, H, Tk), " of ", rows * Tk);
+                budget.global(L, Hm, Tk), " of ", model_rows * Tk);
     s.budgets.assign(static_cast<std::size_t>(rows), Tk);
     return s;
   }
-  s.budgets = budget.resolve(L, H, Tk);
-  const std::int64_t per_row = rows > 0 ? budget.global(L, H, Tk) / rows : 0;
-  const std::int64_t smallest = rows > 0 ? per_row : Tk;
+  s.budgets = kvpolicy::detail::resolve_budgets(budget, L, H, Tk, shard);
+  const std::int64_t per_row = model_rows > 0 ? budget.global(L, Hm, Tk) / model_rows : 0;
+  const std::int64_t smallest = model_rows > 0 ? per_row : Tk;
   const Protect own = std::visit([&](const auto& sc) { return sc.protect(Tk, per_row); },
                                  policy.scorer());
   Protect protect = policy.protect(Tk, per_row);
   s.event.warning = kvpolicy::detail::fit_protected(label, protect, own, smallest, Tk);
   s.event.protect = protect;
   for (std::int64_t b : s.budgets) s.event.evicts = s.event.evicts || b < Tk;
-  if (!s.event.evicts) return s;
+  // (A rank that exchanges runs its allocators even where it keeps everything: another rank may
+  // evict, and then every rank scores and allocates, as on the CPU path.)
+  if (!s.event.evicts && !s.exchange) return s;
   // The host allocators, in chain order (they precede every head-level one: layers -> heads).
   ScoreMap shape(L, H, 0);  // they read the shape only
   AllocContext ctx;
@@ -271,6 +318,7 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
   ctx.first_layer = ev.first_layer;
   ctx.model_layers = ev.model_layers > 0 ? ev.model_layers : L;
   ctx.queries = in.queries.data ? in.queries.tokens : 0;
+  ctx.shard = s.exchange;
   for (const auto& a : policy.allocators())
     std::visit(
         [&](const auto& al) {
@@ -290,6 +338,45 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
   return s;
 }
 
+// setup_local, and, where `agree_ranks` and the event exchanges (a sharded chain with adakv), the
+// ranks' agreement on it (kvpolicy::detail::agree, one 256-byte all-gather: an error on one rank
+// is raised on every rank; evicts when any rank evicts), as Policy::select does before its first
+// exchange. plan() and select() each agree, so that a rank whose plan() fails fails every
+// rank's plan() instead of leaving the others blocked in select(): every rank calls both.
+// `more_checks(setup)`: the caller's own checks of the event, agreed on with the rest.
+template <Element T>
+EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& budget,
+                       const EventInfo& ev, bool agree_ranks = false,
+                       const std::function<void(const EventSetup&)>& more_checks = {}) {
+  const HeadShard* shard = ev.shard;
+  const auto local = [&] {
+    EventSetup s = setup_local(policy, in, budget, ev);
+    if (more_checks) more_checks(s);
+    return s;
+  };
+  if (!agree_ranks || !kvpolicy::detail::sharded(shard) || !policy.spans_heads() ||
+      !unsupported_shard<T>(policy, shard).empty())
+    return local();
+  kvpolicy::detail::require_all_gather(*shard);
+  EventSetup s;
+  std::string error;
+  try {
+    s = local();
+  } catch (const Error& e) {
+    error = kvpolicy::detail::error_text(e);
+  }
+  s.event.evicts = kvpolicy::detail::agree(*shard, error, in.layers(), in.kv_heads(), in.tokens(),
+                                           s.event.evicts);
+  return s;
+}
+
+// CSR indices an event may write: the budgets' total, or every token when adakv moves budget
+// between ranks (a rank's heads may then keep more than its share).
+inline std::int64_t kept_capacity(const EventSetup& s) {
+  if (s.exchange && s.device_allocators) return s.layers * s.heads * s.tokens;
+  return kept_total(s.budgets, s.tokens);
+}
+
 // Workspace layout: scores [rows][row_stride] fp32 | device budgets [rows] i64 | one scratch
 // region the kernels take in turn (they run in stream order, so they share it).
 struct Layout {
@@ -307,7 +394,7 @@ Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const E
   lay.row_stride = score_row_stride(s.tokens);
   const ScoreView scores{nullptr, s.layers, s.heads, s.tokens, lay.row_stride};
   std::size_t scratch = std::max(dev.select_bytes(rows, s.tokens), extra_scratch);
-  if (s.event.evicts) {
+  if (s.event.evicts || s.exchange) {  // (an exchanging rank scores when any rank evicts)
     std::visit(
         [&](const auto& sc) {
           if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
@@ -332,12 +419,37 @@ Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const E
 template <class Dev, Element T>
 PolicyPlan plan(const Dev& dev, const Policy& policy, const Inputs<T>& in, const Budget& budget,
                 const EventInfo& ev) {
-  const EventSetup s = setup_event(policy, in, budget, ev);
+  const EventSetup s = setup_event(policy, in, budget, ev, /*agree_ranks=*/true);
   PolicyPlan p;
   p.workspace_bytes = layout(dev, policy, in, s).total;
   p.rows = s.layers * s.heads;
-  p.kept_capacity = kept_total(s.budgets, s.tokens);
+  p.kept_capacity = kept_capacity(s);
   return p;
+}
+
+// adakv under tensor parallelism: its layer-wide threshold needs every rank's scores, which the
+// CPU allocator gathers through the engine's all-gather (allocators/adakv.hpp). The device path
+// runs that allocator on the host: one download of this rank's scores (4 * rows * tokens bytes;
+// a host synchronisation), the exchange, one upload of the budgets (a second). Same arithmetic
+// as the CPU path, so the same kept sets as a single-rank run over every head.
+template <class Dev>
+void adakv_on_host(const Dev& dev, const AdaKV& ada, const ScoreView& scores,
+                   std::int64_t* dev_budgets, EventSetup& s, const EventInfo& ev) {
+  ScoreMap host(s.layers, s.heads, s.tokens);
+  const std::int64_t rows = s.layers * s.heads;
+  std::vector<float> staged(static_cast<std::size_t>(rows * scores.row_stride));
+  if (!staged.empty()) dev.download(staged.data(), scores.data, staged.size() * sizeof(float));
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::copy_n(staged.data() + r * scores.row_stride, s.tokens, host.data() + r * s.tokens);
+  AllocContext ctx;
+  ctx.scores = &host;
+  ctx.tokens = s.tokens;
+  ctx.protect = s.event.protect;
+  ctx.first_layer = ev.first_layer;
+  ctx.model_layers = ev.model_layers > 0 ? ev.model_layers : s.layers;
+  ctx.shard = s.exchange;
+  ada.allocate(ctx, std::span<std::int64_t>(s.budgets));
+  if (rows > 0) dev.upload(dev_budgets, s.budgets.data(), static_cast<std::size_t>(rows) * sizeof(std::int64_t));
 }
 
 // Where select() left what a later kernel of the same event reads.
@@ -351,28 +463,34 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
                    const Policy& policy, const Inputs<T>& in, const Budget& budget,
                    CsrSelection& out, const EventInfo& ev,
                    std::span<const std::int64_t> tail = {}, std::size_t extra_scratch = 0,
-                   Regions* regions = nullptr, const std::function<void()>& after_upload = {}) {
-  EventSetup s = setup_event(policy, in, budget, ev);
-  const Layout lay = layout(dev, policy, in, s, tail.size(), extra_scratch);
+                   Regions* regions = nullptr, const std::function<void()>& after_upload = {},
+                   const std::function<void()>& caller_checks = {}) {
+  // Every check of the event (the caller's, the buffers') runs inside the ranks' agreement when
+  // the event exchanges, so that a buffer too small on one rank fails every rank.
+  Layout lay;
+  EventSetup s = setup_event(policy, in, budget, ev, /*agree_ranks=*/true, [&](const EventSetup& e) {
+    if (caller_checks) caller_checks();
+    lay = layout(dev, policy, in, e, tail.size(), extra_scratch);
+    KVP_REQUIRE(workspace_bytes >= lay.total, "cuda policy '", policy.spec(), "': workspace of ",
+                workspace_bytes, " bytes is below the ", lay.total,
+                " the event needs (cuda::plan(...).workspace_bytes)");
+    KVP_REQUIRE(lay.total == 0 || workspace, "cuda policy '", policy.spec(),
+                "': null workspace pointer");
+    KVP_REQUIRE(reinterpret_cast<std::uintptr_t>(workspace) % 256 == 0, "cuda policy '",
+                policy.spec(), "': the workspace must be 256-byte aligned (cudaMalloc's)");
+    KVP_REQUIRE(out.layers == e.layers && out.heads == e.heads, "cuda policy '", policy.spec(),
+                "': output selection is [", out.layers, ",", out.heads, "] but the cache is [",
+                e.layers, ",", e.heads, "]");
+    const std::int64_t need = kept_capacity(e);
+    KVP_REQUIRE(out.capacity >= need, "cuda policy '", policy.spec(),
+                "': output selection holds ", out.capacity, " indices but the event keeps ", need,
+                " (cuda::plan(...).kept_capacity)");
+    KVP_REQUIRE(e.layers * e.heads == 0 || out.offsets, "cuda policy '", policy.spec(),
+                "': output selection has null offsets");
+    KVP_REQUIRE(need == 0 || out.indices, "cuda policy '", policy.spec(),
+                "': output selection has null indices");
+  });
   const std::int64_t rows = s.layers * s.heads;
-  KVP_REQUIRE(workspace_bytes >= lay.total, "cuda policy '", policy.spec(), "': workspace of ",
-              workspace_bytes, " bytes is below the ", lay.total,
-              " the event needs (cuda::plan(...).workspace_bytes)");
-  KVP_REQUIRE(lay.total == 0 || workspace, "cuda policy '", policy.spec(),
-              "': null workspace pointer");
-  KVP_REQUIRE(reinterpret_cast<std::uintptr_t>(workspace) % 256 == 0, "cuda policy '",
-              policy.spec(), "': the workspace must be 256-byte aligned (cudaMalloc's)");
-  KVP_REQUIRE(out.layers == s.layers && out.heads == s.heads, "cuda policy '", policy.spec(),
-              "': output selection is [", out.layers, ",", out.heads, "] but the cache is [",
-              s.layers, ",", s.heads, "]");
-  const std::int64_t need = kept_total(s.budgets, s.tokens);
-  KVP_REQUIRE(out.capacity >= need, "cuda policy '", policy.spec(), "': output selection holds ",
-              out.capacity, " indices but the event keeps ", need,
-              " (cuda::plan(...).kept_capacity)");
-  KVP_REQUIRE(rows == 0 || out.offsets, "cuda policy '", policy.spec(),
-              "': output selection has null offsets");
-  KVP_REQUIRE(need == 0 || out.indices, "cuda policy '", policy.spec(),
-              "': output selection has null indices");
   // One upload before any kernel of the event, so that every later stage reads device budgets.
   auto* base = static_cast<std::byte*>(workspace);
   float* score_data = reinterpret_cast<float*>(base);
@@ -381,9 +499,10 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
   const MutableScoreView wscores{rows ? score_data : nullptr, s.layers, s.heads, s.tokens,
                                  lay.row_stride};
   const ScoreView scores{wscores.data, s.layers, s.heads, s.tokens, lay.row_stride};
-  s.budgets.insert(s.budgets.end(), tail.begin(), tail.end());  // one upload for both
-  if (!s.budgets.empty())
-    dev.upload(dev_budgets, s.budgets.data(), s.budgets.size() * sizeof(std::int64_t));
+  std::vector<std::int64_t> upload = s.budgets;
+  upload.insert(upload.end(), tail.begin(), tail.end());  // one upload for both
+  if (!upload.empty())
+    dev.upload(dev_budgets, upload.data(), upload.size() * sizeof(std::int64_t));
   if (regions) *regions = {dev_budgets + rows, scratch};
   if (after_upload) after_upload();  // the event's own first kernels (a paged event's gathers)
   if (!s.event.evicts) {
@@ -391,17 +510,30 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
     // it positions (streaming's scores: no inputs read, no workspace).
     dev.score(Streaming{}, in, wscores, scratch);
   } else {
-    std::visit(
-        [&](const auto& sc) {
-          if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
-            dev.score(sc, in, wscores, scratch);
-        },
-        policy.scorer());
+    // Under an exchange, a scorer that fails its own checks on one rank fails every rank before
+    // adakv's collectives (the CPU path's second agreement).
+    try {
+      std::visit(
+          [&](const auto& sc) {
+            if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
+              dev.score(sc, in, wscores, scratch);
+          },
+          policy.scorer());
+    } catch (const Error& e) {
+      if (!s.exchange) throw;
+      kvpolicy::detail::agree(*s.exchange, kvpolicy::detail::error_text(e), s.layers, s.heads,
+                              s.tokens, true);
+    }
+    if (s.exchange) kvpolicy::detail::agree(*s.exchange, {}, s.layers, s.heads, s.tokens, true);
     // In chain order (layers -> heads -> segments): ams, the last, reads adakv's budgets.
     const std::int64_t state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : s.tokens;
     for (const auto& a : policy.allocators()) {
-      if (const auto* ada = std::get_if<AdaKV>(&a))
-        dev.adakv(*ada, scores, dev_budgets, s.event.protect, dev_budgets, scratch);
+      if (const auto* ada = std::get_if<AdaKV>(&a)) {
+        if (s.exchange)
+          adakv_on_host(dev, *ada, scores, dev_budgets, s, ev);
+        else
+          dev.adakv(*ada, scores, dev_budgets, s.event.protect, dev_budgets, scratch);
+      }
       if (const auto* ams = std::get_if<AMS>(&a))
         dev.ams(*ams, in, wscores, dev_budgets, s.event.protect, ev.alloc_state, state_stride,
                 scratch);
@@ -417,15 +549,18 @@ PolicyEvent compress(const Dev& dev, void* workspace, std::size_t workspace_byte
                      Inputs<T> in, const Budget& budget, CsrSelection& out, const EventInfo& ev) {
   in.keys = keys;
   in.values = values;
-  if (values.data) {
-    validate(values, "values");
-    KVP_REQUIRE(values.layers == keys.layers && values.heads == keys.heads &&
-                    values.tokens == keys.tokens,
-                "values shape does not match keys");
-  }
-  KVP_REQUIRE(out.rows() == 0 || keys.tokens == 0 || out.indices, "cuda policy '", policy.spec(),
-              "': output selection has null indices (compaction reads them)");
-  PolicyEvent e = select(dev, workspace, workspace_bytes, policy, in, budget, out, ev);
+  const auto checks = [&] {
+    if (values.data) {
+      validate(values, "values");
+      KVP_REQUIRE(values.layers == keys.layers && values.heads == keys.heads &&
+                      values.tokens == keys.tokens,
+                  "values shape does not match keys");
+    }
+    KVP_REQUIRE(out.rows() == 0 || keys.tokens == 0 || out.indices, "cuda policy '",
+                policy.spec(), "': output selection has null indices (compaction reads them)");
+  };
+  PolicyEvent e = select(dev, workspace, workspace_bytes, policy, in, budget, out, ev, {}, 0,
+                         nullptr, {}, checks);
   dev.compact(keys, out);
   if (values.data) dev.compact(values, out);
   return e;
@@ -555,7 +690,7 @@ PagedLayout paged_layout(const Dev& dev, const Policy& policy, const PagedKVView
   const PagedTables tables{nullptr, nullptr, 1, N};
   lay.event_bytes = layout(dev, policy, shapes, s, 2, dev.paged_compact_bytes(keys, tables)).total;
   lay.total = lay.event_at + lay.event_bytes;
-  lay.kept_capacity = kept_total(s.budgets, N);
+  lay.kept_capacity = kept_capacity(s);
   lay.evicts = s.event.evicts;
   return lay;
 }
