@@ -106,8 +106,9 @@ class Policy:
     device path takes every built-in scorer (snapkv, h2o from queries, tova, knorm, keydiff,
     streaming, expected, and kvzip with ``reconstruction`` on the same device) and the allocators
     uniform, pyramid, depthkv, adakv and ams (a first event: no credit state), and refuses
-    mergers and quantizers (Session stages), ``accumulated`` / ``observed``, ``return_scores``,
-    ``shard`` and ``inplace=False`` by name.
+    mergers and quantizers (Session stages), ``accumulated`` / ``observed``, ``return_scores``
+    and ``inplace=False`` by name. ``shard`` works there too, except with tova and expected
+    (their scorers combine heads: the host path only); adakv then exchanges on the host.
     ``rope_inv_freq`` (expected attention) stays a host array there too. Expected attention's
     device scores equal the host's to fp32 rounding, so its kept sets can differ at near-ties. It needs
     kvpolicy built with CUDA (``kvpolicy._core.cuda_built``; ``pip install . -C
@@ -220,10 +221,11 @@ class Policy:
         tensors = (("keys", keys), ("values", values), ("queries", queries))
         if any(dlpack_device(x) is not None for _, x in tensors):
             extra = dict(zip(("accumulated", "observed", "reconstruction"), state),
-                         return_scores=scores or None, shard=shard)
+                         return_scores=scores or None)
             return self._run_device(tensors, kind, value, compact=compact, inplace=inplace,
                                     first_layer=first_layer, model_layers=model_layers,
-                                    stream=stream, extra=extra, freqs=_freqs(rope_inv_freq))
+                                    stream=stream, extra=extra, freqs=_freqs(rope_inv_freq),
+                                    shard=shard)
         if stream is not None:
             raise ValueError("stream: given, but no tensor is on a CUDA device")
         k, lifted = as_cache(keys, "keys")
@@ -257,7 +259,7 @@ class Policy:
 
 
     def _run_device(self, tensors, kind, value, *, compact, inplace, first_layer, model_layers,
-                    stream, extra, freqs) -> CompressResult:
+                    stream, extra, freqs, shard) -> CompressResult:
         """The CUDA device path (see the class docstring)."""
         where = {name: dlpack_device(x) for name, x in tensors if x is not None}
         device = where["keys"] if where.get("keys") else next(d for d in where.values() if d)
@@ -285,7 +287,8 @@ class Policy:
         rec_cap = None if rec is None else rec.__dlpack__(stream=dl_stream)
         idx, counts, _, warning = self._p._run_device(*caps, kind, value, first_layer,
                                                       model_layers, compact, stream or 0, freqs,
-                                                      rec_cap)
+                                                      rec_cap,
+                                                      None if shard is None else shard._args())
         if warning:
             warnings.warn(f"kvpolicy: {warning}", RuntimeWarning, stacklevel=4)
         keys, values = tensors[0][1], tensors[1][1]

@@ -24,6 +24,7 @@
 #include "arrays.hpp"
 #include "kvpolicy/cuda/policy.hpp"
 #include "kvpolicy/kvpolicy.hpp"
+#include "shard.hpp"
 
 namespace kvpy {
 namespace {
@@ -167,7 +168,8 @@ template <class T>
 py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
               const DeviceTensor* qd, const Budget& budget, const kvpolicy::EventInfo& ev,
               bool compact, std::uintptr_t stream, std::span<const float> rope_inv_freq,
-              const float* reconstruction, std::int64_t reconstruction_stride) {
+              const float* reconstruction, std::int64_t reconstruction_stride,
+              const PyGather& gather) {
   kvpolicy::KVView<T> k = view_of<T>(kd), v;
   kvpolicy::Inputs<T> in;
   in.keys = k;
@@ -180,8 +182,16 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
   if (qd) in.queries = view_of<const T>(*qd);
   in.rope_inv_freq = rope_inv_freq;  // host memory, as on the host path
   // The event's host checks, as cuda::plan makes them: stages without a device path, shapes
-  // (values against keys too), budget, protection.
-  (void)kvpolicy::cuda::detail::setup_event(p, in, budget, ev);
+  // (values against keys too), budget, protection, the shard. Under tensor parallelism with a
+  // policy that exchanges (adakv), every rank takes part in the ranks' agreement on them here
+  // (also without CUDA), so that one rank's error is raised on all (the GIL released: the
+  // all-gather is Python code, maybe another thread's).
+  {
+    py::gil_scoped_release nogil;
+    with_gather_errors(gather, [&] {
+      (void)kvpolicy::cuda::detail::setup_event(p, in, budget, ev, /*agree_ranks=*/true);
+    });
+  }
   if (compact) {
     const auto a = extent(k), b = extent(v);
     if (a.first < b.second && b.first < a.second)
@@ -191,8 +201,10 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
   kvpolicy::cuda::OwnedEvent r;
   {
     py::gil_scoped_release nogil;
-    r = kvpolicy::cuda::run_owned(kd.device_id, reinterpret_cast<void*>(stream), p, k, v, in,
-                                  budget, compact, ev);
+    r = with_gather_errors(gather, [&] {
+      return kvpolicy::cuda::run_owned(kd.device_id, reinterpret_cast<void*>(stream), p, k, v,
+                                       in, budget, compact, ev);
+    });
   }
   py::tuple out = selection_arrays(r.selection);
   return py::make_tuple(out[0], out[1], py::none(), r.event.warning);
@@ -208,7 +220,8 @@ py::tuple run(const Policy& p, const DeviceTensor& kd, const DeviceTensor* vd,
 py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& values,
                      const py::handle& queries, char kind, double value, std::int64_t first_layer,
                      std::int64_t model_layers, bool compact, std::uintptr_t stream,
-                     const std::vector<float>& rope_inv_freq, const py::handle& reconstruction) {
+                     const std::vector<float>& rope_inv_freq, const py::handle& reconstruction,
+                     const py::object& shard) {
   const DeviceTensor k = borrow(keys, "keys");
   const float* rec = nullptr;
   const std::int64_t rec_stride =
@@ -233,18 +246,21 @@ py::tuple run_device(const Policy& p, const py::handle& keys, const py::handle& 
   kvpolicy::EventInfo ev;
   ev.first_layer = first_layer;
   ev.model_layers = model_layers;
+  kvpolicy::HeadShard hs;
+  PyGather gather;
+  ev.shard = shard_of(shard, hs, gather);
   const DeviceTensor* vp = v ? &*v : nullptr;
   const DeviceTensor* qp = q ? &*q : nullptr;
   switch (k.dtype) {
     case kvpolicy::DType::f32:
       return run<float>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq, rec,
-                        rec_stride);
+                        rec_stride, gather);
     case kvpolicy::DType::f16:
       return run<kvpolicy::half>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq, rec,
-                                 rec_stride);
+                                 rec_stride, gather);
     case kvpolicy::DType::bf16:
       return run<kvpolicy::bfloat16>(p, k, vp, qp, budget, ev, compact, stream, rope_inv_freq,
-                                     rec, rec_stride);
+                                     rec, rec_stride, gather);
   }
   value_error("keys: unknown dtype");
 }
@@ -255,7 +271,7 @@ void bind_policy_device(py::class_<Policy>& cls) {
   cls.def("_run_device", &run_device, py::arg("keys"), py::arg("values"), py::arg("queries"),
           py::arg("kind"), py::arg("value"), py::arg("first_layer"), py::arg("model_layers"),
           py::arg("compact"), py::arg("stream"), py::arg("rope_inv_freq"),
-          py::arg("reconstruction") = py::none());
+          py::arg("reconstruction") = py::none(), py::arg("shard") = py::none());
 }
 
 bool cuda_built() {

@@ -10,6 +10,7 @@
 
 #include "arrays.hpp"
 #include "kvpolicy/kvpolicy.hpp"
+#include "shard.hpp"
 
 namespace kvpy {
 namespace {
@@ -79,38 +80,9 @@ kvpolicy::Inputs<T> inputs_of(const Call& c, bool writable, kvpolicy::KVView<T>&
   return in;
 }
 
-// A Python all-gather behind HeadShard::all_gather: fn(bytes) returns every rank's bytes
-// concatenated in rank order (ranks * len bytes) as bytes. Its exception, if any, is kept for
-// the error message.
-struct PyGather {
-  py::object fn;
-  std::int64_t ranks = 1;
-  std::string error;
-
-  static int call(void* user, const void* send, void* recv, std::size_t bytes) {
-    auto& g = *static_cast<PyGather*>(user);
-    py::gil_scoped_acquire gil;
-    try {
-      // (The Python wrapper turns what the engine's function returns into bytes.)
-      const auto r = g.fn(py::bytes(static_cast<const char*>(send), bytes)).cast<std::string>();
-      const std::size_t want = bytes * static_cast<std::size_t>(g.ranks);
-      if (r.size() != want) {
-        g.error = kvpolicy::detail::cat("all_gather returned ", r.size(), " bytes, expected ",
-                                        want, " (", g.ranks, " ranks x ", bytes, ")");
-        return 1;
-      }
-      if (want) std::memcpy(recv, r.data(), want);
-      return 0;
-    } catch (const std::exception& e) {
-      g.error = e.what();
-      return 1;
-    }
-  }
-};
-
 template <class T>
 py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpolicy::EventInfo& ev,
-              bool compact, bool scores, PyGather* gather) {
+              bool compact, bool scores, const PyGather& gather) {
   kvpolicy::KVView<T> k, v;
   const kvpolicy::Inputs<T> in = inputs_of<T>(c, compact, k, v);
   kvpolicy::Selection sel;
@@ -119,12 +91,8 @@ py::tuple run(const Policy& p, const Call& c, const Budget& budget, const kvpoli
     py::gil_scoped_release nogil;
     const kvpolicy::cpu_backend be{};
     kvpolicy::detail::require_finite_inputs(in);
-    try {
-      sel = p.select(be, in, budget, ev, scores ? &map : nullptr);
-    } catch (const kvpolicy::Error& e) {
-      if (!gather || gather->error.empty()) throw;
-      throw kvpolicy::Error(kvpolicy::detail::error_text(e) + ": " + gather->error);
-    }
+    sel = with_gather_errors(
+        gather, [&] { return p.select(be, in, budget, ev, scores ? &map : nullptr); });
     if (compact) kvpolicy::detail::compact_kv(be, k, v, sel);
   }
   py::tuple out = selection_arrays(sel);
@@ -152,23 +120,10 @@ py::tuple dispatch(const Policy& p, const py::handle& keys, const py::handle& va
   // shard: None, or (rank, ranks, first_head, model_heads, all_gather or None).
   kvpolicy::HeadShard hs;
   PyGather gather;
-  if (!shard.is_none()) {
-    const auto t = shard.cast<py::tuple>();
-    hs.rank = t[0].cast<std::int64_t>();
-    hs.ranks = t[1].cast<std::int64_t>();
-    hs.first_head = t[2].cast<std::int64_t>();
-    hs.model_heads = t[3].cast<std::int64_t>();
-    if (!t[4].is_none()) {
-      gather.fn = t[4];
-      gather.ranks = hs.ranks;
-      hs.all_gather = &PyGather::call;
-      hs.user = &gather;
-    }
-    ev.shard = &hs;
-  }
+  ev.shard = shard_of(shard, hs, gather);
   return cache_dtype(c.keys, "keys") == kvpolicy::DType::f32
-             ? run<float>(p, c, budget, ev, compact, scores, &gather)
-             : run<kvpolicy::half>(p, c, budget, ev, compact, scores, &gather);
+             ? run<float>(p, c, budget, ev, compact, scores, gather)
+             : run<kvpolicy::half>(p, c, budget, ev, compact, scores, gather);
 }
 
 std::string needs_names(kvpolicy::Needs n) {

@@ -5,6 +5,8 @@ import os
 # exports it too).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+import threading  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -40,3 +42,21 @@ def bundled_hf_model(attn_implementation: str):
                                              attn_implementation=attn_implementation)
     m.eval()
     return m
+
+
+class AllGatherGroup:
+    """An in-memory all-gather among threads that stand for tensor-parallel ranks."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self.parts = [None] * ranks
+        self.barrier = threading.Barrier(ranks, timeout=20)
+
+    def member(self, rank):
+        def all_gather(data):
+            self.parts[rank] = bytes(data)
+            self.barrier.wait()
+            out = b"".join(self.parts)
+            self.barrier.wait()  # every rank has read the parts before the next call writes
+            return np.frombuffer(out, dtype=np.uint8)  # anything memoryview takes
+        return all_gather

@@ -15,7 +15,7 @@ import pytest
 import kvpolicy
 from kvpolicy import _core
 
-from conftest import cache
+from conftest import AllGatherGroup, cache
 
 
 class _DLDevice(ctypes.Structure):
@@ -260,10 +260,60 @@ def test_arguments_the_device_path_does_not_take_are_named(rng):
         h2o.select(dk, dv, dq, accumulated=acc)
     with pytest.raises(ValueError, match="return_scores: not taken by the device path"):
         h2o.select(dk, dv, dq, return_scores=True)
-    with pytest.raises(ValueError, match="shard: not taken by the device path"):
-        h2o.select(dk, dv, dq, shard=kvpolicy.HeadShard(0, 1, 0, 3))
+    # Scorers that combine heads run sharded on the host path only.
+    with pytest.raises(ValueError, match="scorer 'tova' combines KV heads across tensor-parallel"):
+        kvpolicy.Policy("tova").select(dk, dv, dq, shard=kvpolicy.HeadShard(0, 2, 0, 6))
     with pytest.raises(ValueError, match="inplace: the device path compacts CUDA tensors in place"):
         h2o.compress(dk, dv, dq, inplace=False)
+
+
+def _run_device_ranks(spec, k, v, q, split, bad_rank=None, **kw):
+    """Ranks as threads, each calling select on its heads' stand-in device tensors; returns each
+    rank's exception."""
+    import threading
+    group, errors = AllGatherGroup(len(split)), [None] * len(split)
+    starts = np.cumsum([0] + list(split))
+    g = q.shape[1] // k.shape[1]
+
+    def rank(r):
+        h0, h1 = int(starts[r]), int(starts[r + 1])
+        shard = kvpolicy.HeadShard(r, len(split), h0, k.shape[1], group.member(r))
+        dk, dv = _device(np.ascontiguousarray(k[:, h0:h1]), np.ascontiguousarray(v[:, h0:h1]))
+        dq = None if r == bad_rank else FakeDeviceTensor(np.ascontiguousarray(q[:, h0 * g:h1 * g]))
+        try:
+            kvpolicy.Policy(spec).select(dk, dv, dq, shard=shard, **kw)
+        except Exception as e:  # noqa: BLE001 (each rank's outcome is checked)
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(split))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_a_shard_is_agreed_on_by_every_rank_before_the_device(rng):
+    """Tensor parallelism on the device path: with adakv the ranks agree on their checks first
+    (in every build), so one rank's bad argument fails every rank instead of leaving the others
+    waiting; valid ranks pass the checks and reach the device (here: the stand-in's error)."""
+    k, v = cache(rng, L=2, H=3, T=40)
+    q = _queries(rng, Hq=6)
+    errors = _run_device_ranks("snapkv(window=8) | adakv", k, v, q, [1, 1, 1], bad_rank=1,
+                               budget=0.3)
+    assert "queries" in str(errors[1])
+    for r in (0, 2):
+        assert isinstance(errors[r], ValueError)
+        assert "head shard: rank 1 failed its checks: queries" in str(errors[r])
+    errors = _run_device_ranks("snapkv(window=8) | adakv", k, v, q, [2, 1], budget=0.3)
+    for e in errors:
+        with _after_checks():
+            raise e
+    # A chain that combines no heads needs no all_gather and exchanges nothing.
+    errors = _run_device_ranks("knorm | pyramid", k, v, q, [1, 2], budget=0.3)
+    for e in errors:
+        with _after_checks():
+            raise e
 
 
 def _cudart():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvpolicy
-from conftest import cache
+from conftest import AllGatherGroup, cache
 
 
 def knorm_reference(k, n):
@@ -329,28 +329,9 @@ def test_kvzip_with_given_reconstruction_scores(rng):
         p.select(k, budget_tokens=10, reconstruction=rec[:, :, :5])
 
 
-class _Group:
-    """An in-memory all-gather among threads that stand for tensor-parallel ranks."""
-
-    def __init__(self, ranks):
-        import threading
-        self.ranks = ranks
-        self.parts = [None] * ranks
-        self.barrier = threading.Barrier(ranks, timeout=20)
-
-    def member(self, rank):
-        def all_gather(data):
-            self.parts[rank] = bytes(data)
-            self.barrier.wait()
-            out = b"".join(self.parts)
-            self.barrier.wait()  # every rank has read the parts before the next call writes
-            return np.frombuffer(out, dtype=np.uint8)  # anything memoryview takes
-        return all_gather
-
-
 def _run_ranks(spec, k, v, q, split, **kw):
     import threading
-    group, results, errors = _Group(len(split)), [None] * len(split), [None] * len(split)
+    group, results, errors = AllGatherGroup(len(split)), [None] * len(split), [None] * len(split)
     starts = np.cumsum([0] + list(split))
     g = q.shape[1] // k.shape[1]
 
@@ -395,7 +376,7 @@ def test_head_shard_errors_reach_every_rank(rng):
     q = rng.standard_normal((2, 9, 4, k.shape[-1])).astype(np.float32)
     # Rank 1 holds heads [1, 3) but claims to start at 2: every rank reports the gap.
     import threading
-    group, errors = _Group(2), [None, None]
+    group, errors = AllGatherGroup(2), [None, None]
 
     def rank(r):
         shard = kvpolicy.HeadShard(r, 2, 0 if r == 0 else 2, 3, group.member(r))

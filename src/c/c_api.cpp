@@ -295,6 +295,64 @@ extern "C" kvp_status kvp_compress_workspace_size(const kvp_policy* policy, cons
   });
 }
 
+namespace {
+
+// params.shard as a HeadShard in `hs`; null when the call holds every head.
+const HeadShard* shard_of(const kvp_compress_params& prm, HeadShard& hs) {
+  if (!prm.shard) return nullptr;
+  hs = {prm.shard->rank,        prm.shard->ranks,      prm.shard->first_head,
+        prm.shard->model_heads, prm.shard->all_gather, prm.shard->user};
+  return &hs;
+}
+
+// Runs f(). Under an exchange (a sharded policy that combines heads), a rank whose f() fails
+// outside the policy's own agreement (`inside` false: the C ABI's argument checks) reports its
+// error through that agreement, so that every rank fails with it instead of waiting; this rank
+// keeps its own error and status.
+template <class F>
+void reporting_to_ranks(const HeadShard& shard, bool exchanges, const bool& inside, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (!exchanges || inside) throw;
+    detail::agree(shard, detail::error_text(e), 0, 0, 0, false);  // throws on every rank
+  } catch (const CError& e) {  // (a status of its own, e.g. KVP_ERROR_BUFFER_TOO_SMALL)
+    if (!exchanges || inside) throw;
+    const std::string_view prefix = "kvpolicy: ";
+    std::string_view m = e.message;
+    if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
+    try {
+      detail::agree(shard, std::string(m), 0, 0, 0, false);  // fails the other ranks
+    } catch (const Error&) {
+    }
+    throw;
+  } catch (const std::exception& e) {  // (std::bad_alloc, ...: guard() reports them)
+    if (!exchanges || inside) throw;
+    cuda::detail::report_failure(shard, e);
+    throw;
+  }
+}
+
+// A dense call's keys, values and queries as views (k, v: the mutable ones compaction writes;
+// values may be NULL unless params.compact), with the per-event inputs of params.
+template <class T>
+Inputs<T> call_inputs(const kvp_compress_params& prm, const kvp_tensor& keys,
+                      const kvp_tensor* values, const kvp_tensor* queries, KVView<T>& k,
+                      KVView<T>& v, EventInfo& ev) {
+  k = view_of<T>(keys, "keys");
+  if (values && values->data) v = view_of<T>(*values, "values");
+  KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
+              "values to compact, or compact = 0 to select only)");
+  Inputs<T> in;
+  in.keys = k;
+  in.values = v;
+  if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
+  apply_event_inputs(prm, in, ev);
+  return in;
+}
+
+}  // namespace
+
 extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_params* params,
                                    const kvp_tensor* keys, const kvp_tensor* values,
                                    const kvp_tensor* queries, void*, size_t,
@@ -309,33 +367,17 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
     require_policy_stages_dense(p, "kvp_compress");
     HeadShard shard;
     EventInfo ev;
-    if (prm.shard) {
-      shard.rank = prm.shard->rank;
-      shard.ranks = prm.shard->ranks;
-      shard.first_head = prm.shard->first_head;
-      shard.model_heads = prm.shard->model_heads;
-      shard.all_gather = prm.shard->all_gather;
-      shard.user = prm.shard->user;
-      ev.shard = &shard;
-    }
-    // Under an exchange (a sharded policy that combines heads), an argument error found here on
-    // one rank goes through the policy's agreement step, so that every rank fails with it.
+    ev.shard = shard_of(prm, shard);
+    // Under an exchange, an argument error found here on one rank goes through the policy's
+    // agreement step, so that every rank fails with it.
     const bool exchanges = prm.shard && shard.ranks > 1 && p.spans_heads() && shard.all_gather;
     bool selecting = false;
-    try {
+    reporting_to_ranks(shard, exchanges, selecting, [&] {
       const Budget budget = budget_from(prm.budget, "params.budget");
       dispatch(keys->dtype, "keys", [&](auto tag) {
         using T = decltype(tag);
-        const KVView<T> k = view_of<T>(*keys, "keys");
-        KVView<T> v;
-        if (values && values->data) v = view_of<T>(*values, "values");
-        KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
-                    "values to compact, or compact = 0 to select only)");
-        Inputs<T> in;
-        in.keys = k;
-        in.values = v;
-        if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
-        apply_event_inputs(prm, in, ev);
+        KVView<T> k, v;
+        const Inputs<T> in = call_inputs<T>(prm, *keys, values, queries, k, v, ev);
         check_selection_out(*out, k.layers, k.heads, k.tokens, "out");
         if (!exchanges) detail::require_finite_inputs(in);  // (else the selection checks them)
         const cpu_backend be{prm.threads};
@@ -345,20 +387,7 @@ extern "C" kvp_status kvp_compress(const kvp_policy* policy, const kvp_compress_
         write_selection(sel, *out);
         set_warning(sel.warning());
       });
-    } catch (const Error& e) {
-      if (!exchanges || selecting) throw;
-      detail::agree(shard, detail::error_text(e), 0, 0, 0, false);  // throws on every rank
-    } catch (const CError& e) {  // (a status of its own, e.g. KVP_ERROR_BUFFER_TOO_SMALL)
-      if (!exchanges || selecting) throw;
-      const std::string_view prefix = "kvpolicy: ";
-      std::string_view m = e.message;
-      if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
-      try {
-        detail::agree(shard, std::string(m), 0, 0, 0, false);  // fails the other ranks
-      } catch (const Error&) {
-      }
-      throw;  // this rank keeps its own status
-    }
+    });
   });
 }
 
@@ -674,53 +703,28 @@ void with_device_event(const kvp_policy* policy, const kvp_compress_params* para
   const Policy& p = policy->policy;
   HeadShard shard;
   EventInfo ev;
-  if (prm.shard) {
-    shard = {prm.shard->rank,        prm.shard->ranks,      prm.shard->first_head,
-             prm.shard->model_heads, prm.shard->all_gather, prm.shard->user};
-    ev.shard = &shard;
-  }
+  ev.shard = shard_of(prm, shard);
 #if defined(KVPOLICY_WITH_CUDA)
   const bool exchanges = prm.shard && shard.ranks > 1 && shard.all_gather && p.spans_heads();
 #else
   const bool exchanges = false;
 #endif
   bool collective = false;
-  try {
+  reporting_to_ranks(shard, exchanges, collective, [&] {
     require_policy_stages_dense(p, call);
     const Budget budget = budget_from(prm.budget, "params.budget");
     dispatch(keys->dtype, "keys", [&](auto tag) {
       using T = decltype(tag);
       const std::string why = cuda::detail::unsupported_stage<T>(p);
       if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: " + std::string(call) + ": " + why);
-      const KVView<T> k = view_of<T>(*keys, "keys");
-      KVView<T> v;
-      if (values && values->data) v = view_of<T>(*values, "values");
-      KVP_REQUIRE(!prm.compact || v.data, "values is NULL but params.compact is set (pass the "
-                  "values to compact, or compact = 0 to select only)");
-      Inputs<T> in;
-      in.keys = k;
-      in.values = v;
-      if (queries && queries->data) in.queries = view_of<const T>(*queries, "queries");
-      apply_event_inputs(prm, in, ev);
+      KVView<T> k, v;
+      const Inputs<T> in = call_inputs<T>(prm, *keys, values, queries, k, v, ev);
       // The event's host checks (shapes, inputs the stages need, budgets, the shard), in builds
       // without CUDA too, before anything is sized or launched.
       (void)cuda::detail::setup_event(p, in, budget, ev);
       f(p, prm, budget, in, k, v, static_cast<const EventInfo&>(ev), collective);
     });
-  } catch (const Error& e) {
-    if (!exchanges || collective) throw;
-    detail::agree(shard, detail::error_text(e), 0, 0, 0, false);  // throws on every rank
-  } catch (const CError& e) {  // (a status of its own, e.g. KVP_ERROR_BUFFER_TOO_SMALL)
-    if (!exchanges || collective) throw;
-    const std::string_view prefix = "kvpolicy: ";
-    std::string_view m = e.message;
-    if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
-    try {
-      detail::agree(shard, std::string(m), 0, 0, 0, false);  // fails the other ranks
-    } catch (const Error&) {
-    }
-    throw;  // this rank keeps its own status
-  }
+  });
 }
 
 }  // namespace
@@ -731,11 +735,11 @@ extern "C" kvp_status kvp_cuda_compress_plan(const kvp_policy* policy,
                                              const kvp_tensor* keys, const kvp_tensor* values,
                                              const kvp_tensor* queries, kvp_cuda_plan* out) {
   return guard([&] {
-    KVP_C_NONNULL(out, "out");
     with_device_event(policy, params, keys, values, queries, "kvp_cuda_compress_plan",
                       [&](const Policy& p, const kvp_compress_params&, const Budget& budget,
                           const auto& in, const auto&, const auto&, const EventInfo& ev,
                           bool& collective) {
+                        KVP_C_NONNULL(out, "out");
                         collective = true;
                         const cuda::PolicyPlan plan =
                             cuda_call([&] { return cuda::plan(p, in, budget, ev); });
@@ -750,11 +754,11 @@ extern "C" kvp_status kvp_cuda_compress(const kvp_policy* policy,
                                         const kvp_tensor* queries, void* workspace,
                                         size_t workspace_bytes, void* stream, kvp_csr* out) {
   return guard([&] {
-    KVP_C_NONNULL(out, "out");
     with_device_event(
         policy, params, keys, values, queries, "kvp_cuda_compress",
         [&](const Policy& p, const kvp_compress_params& prm, const Budget& budget, const auto& in,
             const auto& k, const auto& v, const EventInfo& ev, bool& collective) {
+          KVP_C_NONNULL(out, "out");
           collective = true;
           const cuda::PolicyPlan plan = cuda_call([&] { return cuda::plan(p, in, budget, ev); });
           collective = false;  // the buffer checks fail every rank through select's agreement

@@ -159,7 +159,7 @@ inline void require_no_shard(const kvp_compress_params& p, const char* call) {
   if (p.shard)
     raise(KVP_ERROR_UNSUPPORTED, std::string("kvpolicy: ") + call +
                                      ": params.shard (tensor parallelism over KV heads) is "
-                                     "supported by kvp_compress only");
+                                     "supported by kvp_compress and kvp_cuda_compress only");
 }
 
 // kvp_compress_params' per-event inputs (ABI 4): into the event's Inputs and EventInfo.

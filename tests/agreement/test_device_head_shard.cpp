@@ -22,6 +22,7 @@
 #include "agreement/gpu_util.hpp"
 #include "common/all_gather_group.hpp"
 #include "common/device_emulation.hpp"
+#include "common/head_shard_data.hpp"
 #include "common/random_kv.hpp"
 
 namespace kvt_agreement_device_head_shard {
@@ -33,27 +34,9 @@ namespace {
 
 constexpr std::int64_t kL = 3, kH = 3, kG = 2, kT = 90, kD = 8, kQ = 16;
 
-struct Model {
-  kvtest::Tensor<float> k, v, q;
-  std::vector<float> acc, recon;  // H2O sums and kvzip scores [L][H][T]
-
-  Model(std::uint64_t seed, bool ties) {
-    kvtest::Rng rng(seed);
-    auto values = [&](std::int64_t heads, std::int64_t n) {
-      std::vector<double> x(static_cast<std::size_t>(kL * heads * n * kD));
-      for (auto& e : x) e = ties ? static_cast<double>(rng.integer(-1, 1)) : 2.0 * rng.uniform();
-      return x;
-    };
-    k = kvtest::make_tensor<float>(kL, kH, kT, kD, values(kH, kT));
-    v = kvtest::make_tensor<float>(kL, kH, kT, kD, values(kH, kT));
-    q = kvtest::make_tensor<float>(kL, kH * kG, kQ, kD, values(kH * kG, kQ));
-    acc.resize(static_cast<std::size_t>(kL * kH * kT));
-    recon.resize(acc.size());
-    for (std::size_t i = 0; i < acc.size(); ++i) {
-      acc[i] = ties ? static_cast<float>(rng.integer(0, 3)) : static_cast<float>(rng.uniform(0, 5));
-      recon[i] = ties ? static_cast<float>(rng.integer(0, 2)) * 0.25f : static_cast<float>(rng.uniform(0, 1));
-    }
-  }
+// One event's data for every head (tests/common/head_shard_data.hpp).
+struct Model : kvtest::HeadShardData {
+  Model(std::uint64_t seed, bool ties) : HeadShardData(seed, ties, kL, kH, kG, kT, kD, kQ) {}
 };
 
 // Heads [h0, h0 + n): K, V, Q and the per-token state copied out contiguously (as a rank holds
@@ -108,7 +91,7 @@ struct RankResult {
   std::int64_t gathers = 0;  // all_gather calls
 };
 
-// One rank's event on the emulated device: plan (no collective), then select.
+// One rank's event on the emulated device: plan, then select (both agree when adakv exchanges).
 void run_emulated(const Policy& p, const Inputs<float>& in, const Budget& b, const EventInfo& ev,
                   RankResult& res, bool short_workspace = false) {
   kvtest::EmulatedDevice dev;

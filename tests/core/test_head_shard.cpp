@@ -14,6 +14,7 @@
 #include <kvpolicy/kvpolicy.hpp>
 
 #include "common/all_gather_group.hpp"
+#include "common/head_shard_data.hpp"
 #include "common/random_kv.hpp"
 
 namespace kvt_core_head_shard {
@@ -25,29 +26,9 @@ namespace {
 
 constexpr std::int64_t kL = 3, kH = 3, kG = 3, kT = 150, kD = 8, kQ = 16;
 
-// One event's data for every head: K, V, Q and the per-token state (H2O sums, kvzip scores).
-struct Model {
-  kvtest::Tensor<float> k, v, q;
-  std::vector<float> acc, recon;
-
-  explicit Model(std::uint64_t seed, bool ties) {
-    kvtest::Rng rng(seed);
-    auto values = [&](std::int64_t heads, std::int64_t n) {
-      std::vector<double> x(static_cast<std::size_t>(kL * heads * n * kD));
-      // With ties: three values only, so key norms and scores repeat across heads and tokens.
-      for (auto& e : x) e = ties ? static_cast<double>(rng.integer(-1, 1)) : 2.0 * rng.uniform();
-      return x;
-    };
-    k = kvtest::make_tensor<float>(kL, kH, kT, kD, values(kH, kT));
-    v = kvtest::make_tensor<float>(kL, kH, kT, kD, values(kH, kT));
-    q = kvtest::make_tensor<float>(kL, kH * kG, kQ, kD, values(kH * kG, kQ));
-    acc.resize(static_cast<std::size_t>(kL * kH * kT));
-    recon.resize(acc.size());
-    for (std::size_t i = 0; i < acc.size(); ++i) {
-      acc[i] = ties ? static_cast<float>(rng.integer(0, 3)) : static_cast<float>(rng.uniform(0, 5));
-      recon[i] = ties ? static_cast<float>(rng.integer(0, 2)) * 0.25f : static_cast<float>(rng.uniform(0, 1));
-    }
-  }
+// One event's data for every head (tests/common/head_shard_data.hpp).
+struct Model : kvtest::HeadShardData {
+  Model(std::uint64_t seed, bool ties) : HeadShardData(seed, ties, kL, kH, kG, kT, kD, kQ) {}
 };
 
 // The inputs of heads [h0, h0 + n): views into the model's tensors, copies of its state.

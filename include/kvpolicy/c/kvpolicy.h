@@ -433,7 +433,9 @@ KVP_API kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* selecti
  * downloaded, the budgets uploaded); tova and expected, which combine heads inside the scorer,
  * give KVP_ERROR_INVALID_ARGUMENT under a shard of more than one rank. With adakv, every rank
  * calls kvp_cuda_compress_plan and kvp_cuda_compress alike (each takes part in the ranks'
- * agreement on their arguments), and kept_capacity is every token of the rank's rows.
+ * agreement on their arguments; a NULL policy, keys or params, or a bad struct_size, fails
+ * only the rank that passed it, as for kvp_compress), and kept_capacity is every token of the
+ * rank's rows.
  * keys, values, queries: device memory, as kvp_compress takes them (values may be NULL when
  * params->compact is 0). params->threads is ignored. NaN/Inf in the inputs are not checked.
  * One host synchronisation per call: the per-row budgets are computed on the host and uploaded

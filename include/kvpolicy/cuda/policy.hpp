@@ -52,12 +52,14 @@
 // on be.stream, not for this event's; a batch has one per sequence). Every kernel after it is
 // asynchronous: the CSR selection (and the compacted cache) are ready when the stream is. Inputs
 // must stay valid until then. adakv under a shard adds two: the download of this rank's scores
-// (4 * layers * heads * tokens bytes) after the scorer's kernels, and the upload of the budgets
+// (4 * layers * heads * row_stride bytes, tokens rounded up to a multiple of 4) after the
+// scorer's kernels, and the upload of the budgets
 // that its host step and collectives computed.
 #pragma once
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -245,8 +247,7 @@ struct EventSetup {
 // A sharded chain whose scorer combines heads (tova's mean over every head, expected's layer
 // maximum) needs the ranks' numbers inside the scorer: not on the device path yet. Allocators
 // that combine heads (adakv) exchange on the host (see select()).
-template <Element T>
-std::string unsupported_shard(const Policy& policy, const HeadShard* shard) {
+inline std::string unsupported_shard(const Policy& policy, const HeadShard* shard) {
   if (!kvpolicy::detail::sharded(shard) || policy.keeps_all()) return {};
   std::string why;
   std::visit(
@@ -271,7 +272,7 @@ EventSetup setup_local(const Policy& policy, const Inputs<T>& in, const Budget& 
   const HeadShard* shard = ev.shard;
   const std::string unsupported = unsupported_stage<T>(policy);
   KVP_REQUIRE(unsupported.empty(), unsupported);
-  const std::string unsharded = unsupported_shard<T>(policy, shard);
+  const std::string unsharded = unsupported_shard(policy, shard);
   KVP_REQUIRE(unsharded.empty(), unsharded);
   if (shard) kvpolicy::detail::check_shard(*shard, in.kv_heads());
   bool on_device = false;
@@ -338,6 +339,12 @@ EventSetup setup_local(const Policy& policy, const Inputs<T>& in, const Budget& 
   return s;
 }
 
+// What a rank reports to the others when one of its steps fails (kvpolicy::detail::agree).
+inline std::string failure_text(const std::exception& e) {
+  if (const auto* k = dynamic_cast<const Error*>(&e)) return kvpolicy::detail::error_text(*k);
+  return e.what();
+}
+
 // setup_local, and, where `agree_ranks` and the event exchanges (a sharded chain with adakv), the
 // ranks' agreement on it (kvpolicy::detail::agree, one 256-byte all-gather: an error on one rank
 // is raised on every rank; evicts when any rank evicts), as Policy::select does before its first
@@ -355,19 +362,36 @@ EventSetup setup_event(const Policy& policy, const Inputs<T>& in, const Budget& 
     return s;
   };
   if (!agree_ranks || !kvpolicy::detail::sharded(shard) || !policy.spans_heads() ||
-      !unsupported_shard<T>(policy, shard).empty())
+      !unsupported_shard(policy, shard).empty())
     return local();
   kvpolicy::detail::require_all_gather(*shard);
   EventSetup s;
   std::string error;
   try {
     s = local();
-  } catch (const Error& e) {
-    error = kvpolicy::detail::error_text(e);
+  } catch (const std::exception& e) {
+    error = failure_text(e);
   }
   s.event.evicts = kvpolicy::detail::agree(*shard, error, in.layers(), in.kv_heads(), in.tokens(),
                                            s.event.evicts);
   return s;
+}
+
+// The shard an event exchanges through (a sharded chain with adakv and an all-gather), or null.
+inline const HeadShard* exchange_of(const Policy& policy, const EventInfo& ev) {
+  const HeadShard* s = ev.shard;
+  const bool x = kvpolicy::detail::sharded(s) && s->all_gather && policy.spans_heads() &&
+                 unsupported_shard(policy, s).empty();
+  return x ? s : nullptr;
+}
+
+// A rank whose step between two agreements failed (an allocation between plan() and select())
+// reports it to the others' next agreement, so that they fail too; the caller then rethrows.
+inline void report_failure(const HeadShard& s, const std::exception& e) {
+  try {
+    kvpolicy::detail::agree(s, failure_text(e), 0, 0, 0, false);
+  } catch (const Error&) {  // (agree raises this rank's own error: the caller's to rethrow)
+  }
 }
 
 // CSR indices an event may write: the budgets' total, or every token when adakv moves budget
@@ -419,9 +443,12 @@ Layout layout(const Dev& dev, const Policy& policy, const Inputs<T>& in, const E
 template <class Dev, Element T>
 PolicyPlan plan(const Dev& dev, const Policy& policy, const Inputs<T>& in, const Budget& budget,
                 const EventInfo& ev) {
-  const EventSetup s = setup_event(policy, in, budget, ev, /*agree_ranks=*/true);
+  // (The workspace queries inside the agreement too: they can fail.)
+  std::size_t bytes = 0;
+  const EventSetup s = setup_event(policy, in, budget, ev, /*agree_ranks=*/true,
+                                   [&](const EventSetup& e) { bytes = layout(dev, policy, in, e).total; });
   PolicyPlan p;
-  p.workspace_bytes = layout(dev, policy, in, s).total;
+  p.workspace_bytes = bytes;
   p.rows = s.layers * s.heads;
   p.kept_capacity = kept_capacity(s);
   return p;
@@ -429,18 +456,17 @@ PolicyPlan plan(const Dev& dev, const Policy& policy, const Inputs<T>& in, const
 
 // adakv under tensor parallelism: its layer-wide threshold needs every rank's scores, which the
 // CPU allocator gathers through the engine's all-gather (allocators/adakv.hpp). The device path
-// runs that allocator on the host: one download of this rank's scores (4 * rows * tokens bytes;
-// a host synchronisation), the exchange, one upload of the budgets (a second). Same arithmetic
-// as the CPU path, so the same kept sets as a single-rank run over every head.
+// runs that allocator on the host over this rank's scores (`staged`: downloaded by select(),
+// [rows][row_stride]; a host synchronisation), then uploads the budgets (a second). Same
+// arithmetic as the CPU path, so the same kept sets as a single-rank run over every head.
 template <class Dev>
-void adakv_on_host(const Dev& dev, const AdaKV& ada, const ScoreView& scores,
-                   std::int64_t* dev_budgets, EventSetup& s, const EventInfo& ev) {
+void adakv_on_host(const Dev& dev, const AdaKV& ada, const std::vector<float>& staged,
+                   std::int64_t row_stride, std::int64_t* dev_budgets, EventSetup& s,
+                   const EventInfo& ev) {
   ScoreMap host(s.layers, s.heads, s.tokens);
   const std::int64_t rows = s.layers * s.heads;
-  std::vector<float> staged(static_cast<std::size_t>(rows * scores.row_stride));
-  if (!staged.empty()) dev.download(staged.data(), scores.data, staged.size() * sizeof(float));
   for (std::int64_t r = 0; r < rows; ++r)
-    std::copy_n(staged.data() + r * scores.row_stride, s.tokens, host.data() + r * s.tokens);
+    std::copy_n(staged.data() + r * row_stride, s.tokens, host.data() + r * s.tokens);
   AllocContext ctx;
   ctx.scores = &host;
   ctx.tokens = s.tokens;
@@ -449,7 +475,8 @@ void adakv_on_host(const Dev& dev, const AdaKV& ada, const ScoreView& scores,
   ctx.model_layers = ev.model_layers > 0 ? ev.model_layers : s.layers;
   ctx.shard = s.exchange;
   ada.allocate(ctx, std::span<std::int64_t>(s.budgets));
-  if (rows > 0) dev.upload(dev_budgets, s.budgets.data(), static_cast<std::size_t>(rows) * sizeof(std::int64_t));
+  if (rows > 0)
+    dev.upload(dev_budgets, s.budgets.data(), static_cast<std::size_t>(rows) * sizeof(std::int64_t));
 }
 
 // Where select() left what a later kernel of the same event reads.
@@ -499,38 +526,56 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
   const MutableScoreView wscores{rows ? score_data : nullptr, s.layers, s.heads, s.tokens,
                                  lay.row_stride};
   const ScoreView scores{wscores.data, s.layers, s.heads, s.tokens, lay.row_stride};
-  std::vector<std::int64_t> upload = s.budgets;
-  upload.insert(upload.end(), tail.begin(), tail.end());  // one upload for both
-  if (!upload.empty())
-    dev.upload(dev_budgets, upload.data(), upload.size() * sizeof(std::int64_t));
-  if (regions) *regions = {dev_budgets + rows, scratch};
-  if (after_upload) after_upload();  // the event's own first kernels (a paged event's gathers)
-  if (!s.event.evicts) {
-    // Every row keeps every token; the selection kernel still reads a score per token, so give
-    // it positions (streaming's scores: no inputs read, no workspace).
-    dev.score(Streaming{}, in, wscores, scratch);
-  } else {
-    // Under an exchange, a scorer that fails its own checks on one rank fails every rank before
-    // adakv's collectives (the CPU path's second agreement).
-    try {
-      std::visit(
-          [&](const auto& sc) {
-            if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
-              dev.score(sc, in, wscores, scratch);
-          },
-          policy.scorer());
-    } catch (const Error& e) {
-      if (!s.exchange) throw;
-      kvpolicy::detail::agree(*s.exchange, kvpolicy::detail::error_text(e), s.layers, s.heads,
-                              s.tokens, true);
+  // Under an exchange where some rank evicts, the ranks agree once more after scoring (the CPU
+  // path's second agreement), on everything before adakv's collectives: the budgets' upload,
+  // the scorer's own checks and kernels, and the download of the scores adakv reads.
+  const bool second = s.exchange && s.event.evicts;
+  bool host_adakv = false;
+  for (const auto& a : policy.allocators()) host_adakv = host_adakv || std::holds_alternative<AdaKV>(a);
+  host_adakv = host_adakv && second;
+  std::vector<float> host_scores;  // adakv's input on the host: [rows][row_stride]
+  const auto score_steps = [&] {
+    std::vector<std::int64_t> upload = s.budgets;
+    upload.insert(upload.end(), tail.begin(), tail.end());  // one upload for both
+    if (!upload.empty())
+      dev.upload(dev_budgets, upload.data(), upload.size() * sizeof(std::int64_t));
+    if (regions) *regions = {dev_budgets + rows, scratch};
+    if (after_upload) after_upload();  // the event's own first kernels (a paged event's gathers)
+    if (!s.event.evicts) {
+      // Every row keeps every token; the selection kernel still reads a score per token, so
+      // give it positions (streaming's scores: no inputs read, no workspace).
+      dev.score(Streaming{}, in, wscores, scratch);
+      return;
     }
-    if (s.exchange) kvpolicy::detail::agree(*s.exchange, {}, s.layers, s.heads, s.tokens, true);
+    std::visit(
+        [&](const auto& sc) {
+          if constexpr (device_scorer<std::decay_t<decltype(sc)>, T>)
+            dev.score(sc, in, wscores, scratch);
+        },
+        policy.scorer());
+    if (host_adakv && rows > 0) {  // (waits for the scorer's kernels: a host synchronisation)
+      host_scores.resize(static_cast<std::size_t>(rows * lay.row_stride));
+      dev.download(host_scores.data(), scores.data, host_scores.size() * sizeof(float));
+    }
+  };
+  if (!second) {
+    score_steps();
+  } else {
+    std::string error;
+    try {
+      score_steps();
+    } catch (const std::exception& e) {
+      error = failure_text(e);
+    }
+    kvpolicy::detail::agree(*s.exchange, error, s.layers, s.heads, s.tokens, true);
+  }
+  if (s.event.evicts) {
     // In chain order (layers -> heads -> segments): ams, the last, reads adakv's budgets.
     const std::int64_t state_stride = ev.alloc_state_stride > 0 ? ev.alloc_state_stride : s.tokens;
     for (const auto& a : policy.allocators()) {
       if (const auto* ada = std::get_if<AdaKV>(&a)) {
-        if (s.exchange)
-          adakv_on_host(dev, *ada, scores, dev_budgets, s, ev);
+        if (host_adakv)
+          adakv_on_host(dev, *ada, host_scores, lay.row_stride, dev_budgets, s, ev);
         else
           dev.adakv(*ada, scores, dev_budgets, s.event.protect, dev_budgets, scratch);
       }
@@ -847,10 +892,17 @@ OwnedEvent run_owned(int device, void* stream, const Policy& policy, const KVVie
                      bool compact, const EventInfo& ev = {}) {
   const DeviceGuard on_device(device);  // first: the workspace queries ask the current device
   const PolicyPlan p = plan(policy, in, budget, ev);
-  DeviceBuffer ws(p.workspace_bytes);
-  DeviceBuffer offsets(static_cast<std::size_t>(p.rows + 1) * sizeof(std::int64_t));
-  DeviceBuffer indices(static_cast<std::size_t>(std::max<std::int64_t>(p.kept_capacity, 1)) *
-                       sizeof(std::int32_t));
+  // Under an exchange, an allocation that fails on one rank fails the others' select().
+  DeviceBuffer ws, offsets, indices;
+  try {
+    ws = DeviceBuffer(p.workspace_bytes);
+    offsets = DeviceBuffer(static_cast<std::size_t>(p.rows + 1) * sizeof(std::int64_t));
+    indices = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(p.kept_capacity, 1)) *
+                           sizeof(std::int32_t));
+  } catch (const std::exception& e) {
+    if (const HeadShard* x = detail::exchange_of(policy, ev)) detail::report_failure(*x, e);
+    throw;
+  }
   CsrSelection csr{in.layers(), in.kv_heads(), offsets.as<std::int64_t>(),
                    indices.as<std::int32_t>(), p.kept_capacity};
   const cuda_backend be{stream, ws.data(), p.workspace_bytes};
