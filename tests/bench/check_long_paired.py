@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Checks the long-generation section's paired comparison in kvpolicy_accuracy's results.json.
+
+usage: check_long_paired.py RESULTS_JSON
+
+From the raw records (every generation's per-block KL of every (policy, budget) cell), recomputes
+what summary.long_paired must hold: one entry per cell whose policy is not the first long policy,
+paired with the first policy's cell at the same budget; its mean difference over the
+concatenated blocks of all generations and its per-block mean over generations. The bootstrap
+interval must contain the mean, and "separated" must say whether it excludes zero. Exits 1 with
+the first mismatch.
+"""
+import json
+import sys
+
+
+def fail(message):
+    raise AssertionError("check_long_paired: " + message)
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    with open(sys.argv[1]) as f:
+        results = json.load(f)
+    gens = results["records"]["long"]
+    if not gens:
+        fail("no long-generation records")
+    cells = gens[0]["cells"]
+    base = cells[0]["policy"]
+    expected = {}
+    for i, c in enumerate(cells):
+        if c["policy"] == base:
+            continue
+        j = [k for k, d in enumerate(cells) if d["policy"] == base and d["budget"] == c["budget"]]
+        if not j:
+            continue
+        diffs, curve = [], None
+        for g in gens:
+            a, b = g["cells"][i]["kl_bins"], g["cells"][j[0]]["kl_bins"]
+            if len(a) != len(b):
+                fail("blocks of %s and %s differ in number" % (c["policy"], base))
+            diffs += [x - y for x, y in zip(a, b)]
+            if curve is None:
+                curve = [0.0] * len(a)
+            for q, (x, y) in enumerate(zip(a, b)):
+                curve[q] += (x - y) / len(gens)
+        expected[(c["policy"], c["budget"])] = (sum(diffs) / len(diffs), curve)
+    got = results["summary"].get("long_paired")
+    if got is None:
+        fail("summary has no long_paired")
+    if len(got) != len(expected):
+        fail("%d paired entries, expected %d" % (len(got), len(expected)))
+    if not expected:
+        fail("the run has no policy to pair with %r: the check would be empty" % base)
+    for e in got:
+        k = (e["policy"], e["budget"])
+        if k not in expected:
+            fail("unexpected entry %r" % (k,))
+        if e["baseline"] != base:
+            fail("%r is paired with %r, not the first policy %r" % (k, e["baseline"], base))
+        mean, curve = expected[k]
+        d = e["kl_diff"]
+        if abs(d["mean"] - mean) > 1e-12 * max(1.0, abs(mean)):
+            fail("%r: mean difference %r, recomputed %r" % (k, d["mean"], mean))
+        lo, hi = d["ci"]
+        if not lo <= d["mean"] <= hi:
+            fail("%r: interval [%r, %r] does not contain the mean %r" % (k, lo, hi, d["mean"]))
+        if e["separated"] != (lo > 0 or hi < 0):
+            fail("%r: separated=%r with interval [%r, %r]" % (k, e["separated"], lo, hi))
+        if len(e["kl_diff_curve"]) != len(curve) or any(
+                abs(x - y) > 1e-12 for x, y in zip(e["kl_diff_curve"], curve)):
+            fail("%r: per-block differences %r, recomputed %r" % (k, e["kl_diff_curve"], curve))
+    print("check_long_paired: %d paired entries against %r match the raw records" % (len(got), base))
+
+
+if __name__ == "__main__":
+    main()
