@@ -438,15 +438,18 @@ std::string render_report(json& results) {
         if (cells0[k]["policy"] == base && cells0[k]["budget"] == budget) j = k;
       if (j == cells0.size()) continue;
       std::vector<double> a, b, dcurve;
+      bool pairs = true;  // every generation has as many blocks in both cells
       for (const auto& r : lr) {
         const auto ka = r["cells"][i]["kl_bins"].get<std::vector<double>>();
         const auto kb = r["cells"][j]["kl_bins"].get<std::vector<double>>();
+        pairs = pairs && ka.size() == kb.size();
         a.insert(a.end(), ka.begin(), ka.end());
         b.insert(b.end(), kb.begin(), kb.end());
         if (dcurve.size() < ka.size()) dcurve.resize(ka.size(), 0.0);
         for (std::size_t q = 0; q < ka.size() && q < kb.size(); ++q)
           dcurve[q] += (ka[q] - kb[q]) / double(lr.size());
       }
+      if (!pairs) continue;  // not paired (cannot happen while every generation has long_tokens)
       const auto d = stats::paired_bootstrap(a, b, B);
       const bool sep = d.ci.excludes_zero();
       std::vector<std::string> row = {cell(policy) + " @ " + std::to_string(budget),

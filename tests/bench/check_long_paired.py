@@ -35,32 +35,35 @@ def main():
         j = [k for k, d in enumerate(cells) if d["policy"] == base and d["budget"] == c["budget"]]
         if not j:
             continue
-        diffs, curve = [], None
+        diffs, curve = [], []
         for g in gens:
             a, b = g["cells"][i]["kl_bins"], g["cells"][j[0]]["kl_bins"]
+            if g["cells"][i]["policy"] != c["policy"] or g["cells"][i]["budget"] != c["budget"]:
+                fail("generation %r lists its cells in another order" % g["prompt"])
             if len(a) != len(b):
-                fail("blocks of %s and %s differ in number" % (c["policy"], base))
+                break  # the report leaves such a pair out
             diffs += [x - y for x, y in zip(a, b)]
-            if curve is None:
-                curve = [0.0] * len(a)
+            curve += [0.0] * (len(a) - len(curve))
             for q, (x, y) in enumerate(zip(a, b)):
                 curve[q] += (x - y) / len(gens)
-        expected[(c["policy"], c["budget"])] = (sum(diffs) / len(diffs), curve)
+        else:
+            expected[(c["policy"], c["budget"])] = (sum(diffs) / len(diffs), curve, len(diffs))
     got = results["summary"].get("long_paired")
     if got is None:
         fail("summary has no long_paired")
-    if len(got) != len(expected):
-        fail("%d paired entries, expected %d" % (len(got), len(expected)))
     if not expected:
         fail("the run has no policy to pair with %r: the check would be empty" % base)
+    keys = [(e["policy"], e["budget"]) for e in got]
+    if len(set(keys)) != len(keys) or set(keys) != set(expected):
+        fail("paired entries %r, expected one each of %r" % (keys, sorted(expected)))
     for e in got:
         k = (e["policy"], e["budget"])
-        if k not in expected:
-            fail("unexpected entry %r" % (k,))
         if e["baseline"] != base:
             fail("%r is paired with %r, not the first policy %r" % (k, e["baseline"], base))
-        mean, curve = expected[k]
+        mean, curve, n = expected[k]
         d = e["kl_diff"]
+        if d["n"] != n:
+            fail("%r: n=%r, but the generations have %d paired blocks" % (k, d["n"], n))
         if abs(d["mean"] - mean) > 1e-12 * max(1.0, abs(mean)):
             fail("%r: mean difference %r, recomputed %r" % (k, d["mean"], mean))
         lo, hi = d["ci"]
