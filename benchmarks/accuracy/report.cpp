@@ -360,6 +360,34 @@ std::string render_report(json& results) {
       rows.push_back(row);
     }
     md += markdown_table(header, rows) + "\n";
+
+    // Paired against the first policy at the same budget: the same windows.
+    std::vector<std::vector<std::string>> prow;
+    json paired = json::array();
+    for (std::size_t i = 1; i < policies.size(); ++i) {
+      std::vector<std::string> row = {cell(policies[i])};
+      for (double b : budgets) {
+        const auto a = fkl.find({policies[i], b}), z = fkl.find({policies[0], b});
+        if (a == fkl.end() || z == fkl.end() || a->second.empty() ||
+            a->second.size() != z->second.size()) {
+          row.push_back("-");
+          continue;
+        }
+        const auto d = stats::paired_bootstrap(a->second, z->second, B);
+        const bool sep = d.ci.excludes_zero();
+        row.push_back(mean_cell(d, "%+.4f") + (sep ? " separated" : ""));
+        paired.push_back({{"policy", policies[i]}, {"baseline", policies[0]}, {"budget", b},
+                          {"kl_diff", mean_json(d)}, {"separated", sep}});
+      }
+      prow.push_back(row);
+    }
+    if (!prow.empty())
+      md += fmt("Paired against `%s` at the same budget: mean KL difference over the same windows "
+                "(negative: lower KL than `%s`) with its paired bootstrap 95%% interval; "
+                "\"separated\": the interval excludes zero.\n\n",
+                policies[0].c_str(), policies[0].c_str()) +
+            markdown_table(header, prow) + "\n";
+    summary["fidelity_paired"] = paired;
     summary["fidelity"] = out;
   }
 

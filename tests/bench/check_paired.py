@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Checks the long-generation section's paired comparison in kvpolicy_accuracy's results.json.
+"""Checks the paired comparisons in kvpolicy_accuracy's results.json.
 
-usage: check_long_paired.py RESULTS_JSON
+usage: check_paired.py RESULTS_JSON
 
-From the raw records (every generation's per-block KL of every (policy, budget) cell), recomputes
+Fidelity: summary.fidelity_paired must hold, for every policy after the first and every budget,
+the mean over the same windows of its KL minus the first policy's KL, with n = the windows.
+
+Long generation: from the raw records (every generation's per-block KL of every (policy, budget) cell), recomputes
 what summary.long_paired must hold: one entry per cell whose policy is not the first long policy,
 paired with the first policy's cell at the same budget; its mean difference over the
 concatenated blocks of all generations and its per-block mean over generations. The bootstrap
@@ -15,7 +18,47 @@ import sys
 
 
 def fail(message):
-    raise AssertionError("check_long_paired: " + message)
+    raise AssertionError("check_paired: " + message)
+
+
+def check_interval(k, d, separated):
+    lo, hi = d["ci"]
+    if not lo <= d["mean"] <= hi:
+        fail("%r: interval [%r, %r] does not contain the mean %r" % (k, lo, hi, d["mean"]))
+    if separated != (lo > 0 or hi < 0):
+        fail("%r: separated=%r with interval [%r, %r]" % (k, separated, lo, hi))
+
+
+def check_fidelity(results):
+    windows = results["records"]["fidelity"]
+    policies = results["config"]["policies"]
+    if not windows or len(policies) < 2:
+        fail("no fidelity records or fewer than 2 policies: the check would be empty")
+    kl = {}
+    for w in windows:
+        for c in w["cells"]:
+            kl.setdefault((c["policy"], c["budget"]), []).append(c["kl"])
+    expected = {}
+    for (p, b), v in kl.items():
+        if p != policies[0]:
+            base = kl[(policies[0], b)]
+            expected[(p, b)] = (sum(x - y for x, y in zip(v, base)) / len(v), len(v))
+    got = results["summary"].get("fidelity_paired")
+    if got is None:
+        fail("summary has no fidelity_paired")
+    keys = [(e["policy"], e["budget"]) for e in got]
+    if len(set(keys)) != len(keys) or set(keys) != set(expected):
+        fail("fidelity pairs %r, expected one each of %r" % (keys, sorted(expected)))
+    for e in got:
+        k = (e["policy"], e["budget"])
+        mean, n = expected[k]
+        d = e["kl_diff"]
+        if e["baseline"] != policies[0]:
+            fail("%r is paired with %r, not the first policy %r" % (k, e["baseline"], policies[0]))
+        if abs(d["mean"] - mean) > 1e-12 * max(1.0, abs(mean)) or d["n"] != n:
+            fail("%r: mean %r over %r windows, recomputed %r over %d" % (k, d["mean"], d["n"], mean, n))
+        check_interval(k, d, e["separated"])
+    return len(got)
 
 
 def main():
@@ -23,6 +66,7 @@ def main():
         sys.exit(__doc__)
     with open(sys.argv[1]) as f:
         results = json.load(f)
+    nf = check_fidelity(results)
     gens = results["records"]["long"]
     if not gens:
         fail("no long-generation records")
@@ -66,15 +110,12 @@ def main():
             fail("%r: n=%r, but the generations have %d paired blocks" % (k, d["n"], n))
         if abs(d["mean"] - mean) > 1e-12 * max(1.0, abs(mean)):
             fail("%r: mean difference %r, recomputed %r" % (k, d["mean"], mean))
-        lo, hi = d["ci"]
-        if not lo <= d["mean"] <= hi:
-            fail("%r: interval [%r, %r] does not contain the mean %r" % (k, lo, hi, d["mean"]))
-        if e["separated"] != (lo > 0 or hi < 0):
-            fail("%r: separated=%r with interval [%r, %r]" % (k, e["separated"], lo, hi))
+        check_interval(k, d, e["separated"])
         if len(e["kl_diff_curve"]) != len(curve) or any(
                 abs(x - y) > 1e-12 for x, y in zip(e["kl_diff_curve"], curve)):
             fail("%r: per-block differences %r, recomputed %r" % (k, e["kl_diff_curve"], curve))
-    print("check_long_paired: %d paired entries against %r match the raw records" % (len(got), base))
+    print("check_paired: %d fidelity and %d long-generation pairs against the first policy match "
+          "the raw records" % (nf, len(got)))
 
 
 if __name__ == "__main__":
