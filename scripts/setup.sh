@@ -103,7 +103,8 @@ else
 fi
 
 if ((WITH_TORCH)); then
-  # Pinned, --no-deps: the file lists every package (torch's CUDA wheels left out on purpose).
+  # Pinned, --no-deps: the file lists every package. It includes the nvidia-* runtime wheels
+  # (about 3 GB), which PyPI's torch loads at import even without a GPU, and leaves out triton.
   # pip only checks what is already installed at these versions.
   log "installing the integrations' pinned packages (python/requirements-integrations.txt)"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
