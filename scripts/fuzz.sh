@@ -6,10 +6,11 @@
 # non-zero if a target crashed, leaked, hit a sanitizer report or a contract check (FINDING), or
 # timed out on one input. The input that did it is under $BUILD_DIR/artifacts/<target>/; run
 # the target on that file to reproduce.
-# Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz), KVPOLICY_JOBS (build jobs, default
-# nproc), KVPOLICY_FUZZ_KEEP_CORPUS=1 (keep and grow $BUILD_DIR/corpus/<target> between runs
-# instead of starting from the seeds), CXX (default clang++), CCACHE_DIR (default
-# $HOME/.cache/ccache), ASAN_OPTIONS / UBSAN_OPTIONS (added to; detect_leaks is set here).
+# Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz), KVPOLICY_JOBS (build jobs, and
+# targets run at once; default nproc), KVPOLICY_FUZZ_KEEP_CORPUS=1 (keep and grow
+# $BUILD_DIR/corpus/<target> between runs instead of starting from the seeds), CXX (default
+# clang++), CCACHE_DIR (default $HOME/.cache/ccache), ASAN_OPTIONS / UBSAN_OPTIONS (added to;
+# detect_leaks is set here).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -72,36 +73,62 @@ else
 fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=${leaks}"
 
-failed=()
-summary=()
-for t in "${TARGETS[@]}"; do
-  corpus="$BUILD_DIR/corpus/$t" artifacts="$BUILD_DIR/artifacts/$t" logf="$BUILD_DIR/$t.log"
+# run_target T: one libFuzzer run; its summary line goes to $BUILD_DIR/T.result, and a line
+# starting with FAIL to $BUILD_DIR/T.failed.
+run_target() {
+  local t=$1 corpus="$BUILD_DIR/corpus/$1" artifacts="$BUILD_DIR/artifacts/$1" logf="$BUILD_DIR/$1.log"
+  rm -f "$BUILD_DIR/$t.result" "$BUILD_DIR/$t.failed"
   [[ ${KVPOLICY_FUZZ_KEEP_CORPUS:-0} == 1 ]] || rm -rf "$corpus"
   mkdir -p "$corpus" "$artifacts"
   if compgen -G "fuzz/seeds/$t/*" >/dev/null; then cp -n fuzz/seeds/"$t"/* "$corpus"/; fi
-  args=(-max_total_time="$SECONDS_PER_TARGET" -timeout=30 -rss_limit_mb=2560 -detect_leaks=$leaks
-        -print_final_stats=1 -artifact_prefix="$artifacts/")
+  local args=(-max_total_time="$SECONDS_PER_TARGET" -timeout=30 -rss_limit_mb=2560
+              -detect_leaks=$leaks -print_final_stats=1 -artifact_prefix="$artifacts/")
+  local len
   len=$(max_len "$t")
   ((len > 0)) && args+=(-max_len="$len")
   [[ -f fuzz/$t.dict ]] && args+=(-dict="fuzz/$t.dict")
   log "=== $t: $BUILD_DIR/$t ${args[*]} $corpus"
-  rc=0
+  local rc=0
   "$BUILD_DIR/$t" "${args[@]}" "$corpus" >"$logf" 2>&1 || rc=$?
+  local runs rate last cov ft corp result=PASS
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logf" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$logf" | tail -1)
   last=$(grep -E '^#[0-9]+[[:space:]]+(DONE|pulse|NEW|REDUCE|INITED)' "$logf" | tail -1 || true)
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   corp=$(sed -n 's/.* corp: \([0-9]*\).*/\1/p' <<<"$last")
-  result=PASS
   if ((rc != 0)) || grep -qE 'ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|runtime error:|^FINDING:' "$logf"; then
     result="FAIL (exit $rc; log $logf; input $(ls -t "$artifacts" 2>/dev/null | head -1))"
-    failed+=("$t")
-    grep -E 'ERROR: |runtime error:|^FINDING:|SUMMARY:' "$logf" | head -5 | sed 's/^/    /'
+    grep -E 'ERROR: |runtime error:|^FINDING:|SUMMARY:' "$logf" | head -5 | sed 's/^/    /' \
+      >"$BUILD_DIR/$t.failed"
   fi
-  line="$t: ${SECONDS_PER_TARGET}s, ${runs:-?} runs (${rate:-?}/s), cov ${cov:-?}, ft ${ft:-?}, corpus ${corp:-?}: $result"
-  log "$line"
-  summary+=("$line")
+  echo "$t: ${SECONDS_PER_TARGET}s, ${runs:-?} runs (${rate:-?}/s), cov ${cov:-?}, ft ${ft:-?}, corpus ${corp:-?}: $result" \
+    >"$BUILD_DIR/$t.result"
+  log "$(cat "$BUILD_DIR/$t.result")"
+}
+
+# The targets run side by side, $JOBS at a time (each libFuzzer process uses one core), so CI's
+# 5 x 30 s take 90 s of wall time on 2 cores.
+for t in "${TARGETS[@]}"; do
+  while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
+  run_target "$t" &
+done
+wait
+
+failed=()
+summary=()
+for t in "${TARGETS[@]}"; do
+  if [[ -f $BUILD_DIR/$t.result ]]; then
+    summary+=("$(cat "$BUILD_DIR/$t.result")")
+  else
+    summary+=("$t: no result (the run did not finish)")
+    failed+=("$t")
+    continue
+  fi
+  if [[ -f $BUILD_DIR/$t.failed ]]; then
+    failed+=("$t")
+    cat "$BUILD_DIR/$t.failed"
+  fi
 done
 
 log "summary (leaks checked: $leaks_word):"

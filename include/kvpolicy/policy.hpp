@@ -205,9 +205,7 @@ class Policy {
   }
   // Folds evicted tokens into kept ones with the merger (no-op without one); see MergeArgs.
   template <Element T>
-  void merge(const cpu_backend& be, const MergeArgs<T>& args) const {
-    if (merger_) std::visit([&](const auto& m) { m.merge(be, args); }, *merger_);
-  }
+  void merge(const cpu_backend& be, const MergeArgs<T>& args) const;
   // Chunk delimiters of a semantic merger (its default set without one): what an engine's
   // per-token delimiter mask is built from.
   // (A merger that reads delimiters has `is_delimiter(text)` and `delimiters`.)
@@ -243,28 +241,12 @@ class Policy {
   template <Element T>
   Selection select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
                    const EventInfo& ev, ScoreMap* scores = nullptr,
-                   Protect* protect = nullptr) const {
-    if (keep_all_) return select_all(in, budget, ev, scores, protect);
-    Stats stats;
-    return std::visit(
-        [&](const auto& s) {
-          return detail::select_tokens(
-              be, s,
-              [&](const AllocContext& ctx, std::span<std::int64_t> b) {
-                for (const auto& a : allocators_)
-                  std::visit([&](const auto& al) { al.allocate(ctx, b); }, a);
-              },
-              req_, in, budget, stats, scores, ev, protect);
-        },
-        scorer_);
-  }
+                   Protect* protect = nullptr) const;
 
   // Selects and compacts keys/values in place; see Pipeline::compress.
   template <Element T>
   Selection compress(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& values,
-                     const Inputs<T>& in, const Budget& budget) const {
-    return detail::compress_in_place(*this, be, keys, values, in, budget);
-  }
+                     const Inputs<T>& in, const Budget& budget) const;
 
  private:
   // f(the merger, if it reads delimiters, else the default semantic merger).
@@ -307,5 +289,53 @@ class Policy {
   AllocRequirements req_;
   std::string spec_;
 };
+
+// merge, select and compress are defined out of the class, so they are not implicitly inline:
+// these three instantiate every scorer, allocator and merger of the registry, and a build that
+// compiles them once for float (src/instances/policy.cpp, the CMake target kvpolicy_instances)
+// declares them extern in its other units (KVPOLICY_EXTERN_TEMPLATES).
+// Header-only users are unaffected: without the macro each unit instantiates what it uses.
+template <Element T>
+void Policy::merge(const cpu_backend& be, const MergeArgs<T>& args) const {
+  if (merger_) std::visit([&](const auto& m) { m.merge(be, args); }, *merger_);
+}
+
+template <Element T>
+Selection Policy::select(const cpu_backend& be, const Inputs<T>& in, const Budget& budget,
+                         const EventInfo& ev, ScoreMap* scores, Protect* protect) const {
+  if (keep_all_) return select_all(in, budget, ev, scores, protect);
+  Stats stats;
+  return std::visit(
+      [&](const auto& s) {
+        return detail::select_tokens(
+            be, s,
+            [&](const AllocContext& ctx, std::span<std::int64_t> b) {
+              for (const auto& a : allocators_)
+                std::visit([&](const auto& al) { al.allocate(ctx, b); }, a);
+            },
+            req_, in, budget, stats, scores, ev, protect);
+      },
+      scorer_);
+}
+
+template <Element T>
+Selection Policy::compress(const cpu_backend& be, const KVView<T>& keys, const KVView<T>& values,
+                           const Inputs<T>& in, const Budget& budget) const {
+  return detail::compress_in_place(*this, be, keys, values, in, budget);
+}
+
+// KVPOLICY_POLICY_INSTANCES(extern, T) declares the instances of one element type;
+// KVPOLICY_POLICY_INSTANCES(, T) defines them (src/instances/policy.cpp).
+#define KVPOLICY_POLICY_INSTANCES(EXTERN, T)                                                     \
+  EXTERN template void Policy::merge<T>(const cpu_backend&, const MergeArgs<T>&) const;          \
+  EXTERN template Selection Policy::select<T>(const cpu_backend&, const Inputs<T>&,              \
+                                              const Budget&, const EventInfo&, ScoreMap*,        \
+                                              Protect*) const;                                   \
+  EXTERN template Selection Policy::compress<T>(const cpu_backend&, const KVView<T>&,            \
+                                                const KVView<T>&, const Inputs<T>&,              \
+                                                const Budget&) const;
+#ifdef KVPOLICY_EXTERN_TEMPLATES
+KVPOLICY_POLICY_INSTANCES(extern, float)
+#endif
 
 }  // namespace kvpolicy
