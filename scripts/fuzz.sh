@@ -21,6 +21,7 @@ TARGETS=("$@")
 ((${#TARGETS[@]})) || TARGETS=("${ALL_TARGETS[@]}")
 BUILD_DIR=${KVPOLICY_FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${KVPOLICY_JOBS:-$(nproc)}
+[[ $JOBS =~ ^[0-9]+$ ]] && ((JOBS >= 1)) || { echo "fuzz.sh: KVPOLICY_JOBS must be >= 1, got '$JOBS'"; exit 2; }
 CXX_FUZZ=${CXX:-clang++}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
@@ -99,8 +100,9 @@ run_target() {
   corp=$(sed -n 's/.* corp: \([0-9]*\).*/\1/p' <<<"$last")
   if ((rc != 0)) || grep -qE 'ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|runtime error:|^FINDING:' "$logf"; then
     result="FAIL (exit $rc; log $logf; input $(ls -t "$artifacts" 2>/dev/null | head -1))"
-    grep -E 'ERROR: |runtime error:|^FINDING:|SUMMARY:' "$logf" | head -5 | sed 's/^/    /' \
-      >"$BUILD_DIR/$t.failed"
+    # (A run killed without a report, e.g. by the OOM killer, has no such line: still a failure.)
+    { grep -E 'ERROR: |runtime error:|^FINDING:|SUMMARY:' "$logf" || true; } |
+      sed -n '1,5s/^/    /p' >"$BUILD_DIR/$t.failed"
   fi
   echo "$t: ${SECONDS_PER_TARGET}s, ${runs:-?} runs (${rate:-?}/s), cov ${cov:-?}, ft ${ft:-?}, corpus ${corp:-?}: $result" \
     >"$BUILD_DIR/$t.result"

@@ -14,7 +14,8 @@
 # Build directories persist and ccache is used, so re-runs are incremental. Exits non-zero if
 # any step fails; the last line is a summary.
 # Environment: KVPOLICY_BUILD_DIR, KVPOLICY_ASAN_BUILD_DIR (build directories), KVPOLICY_JOBS
-# (default: nproc), KVPOLICY_ASAN_OPT_FLAGS (default "-O1 -g1 -DNDEBUG"), CCACHE_DIR (default:
+# (default: nproc), KVPOLICY_ASAN_OPT_FLAGS (default "-O1 -g1 -DNDEBUG"), CXX_ASAN / CC_ASAN
+# (the sanitizer build's compilers, default clang++ / clang), CCACHE_DIR (default:
 # $HOME/.cache/ccache), KVPOLICY_FUZZ_SECONDS (per fuzz target, default 30).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -38,10 +39,12 @@ log() { echo "test.sh: $*"; }
 LOG_DIR=$(mktemp -d)
 torch_pid=""
 asan_pid=""
-trap 'for p in $torch_pid $asan_pid; do kill "$p" 2>/dev/null || true; done; rm -rf "$LOG_DIR"' EXIT
+# The background jobs run in sessions of their own (setsid): on an early exit the trap stops them
+# with everything they started (pip, ninja, the compilers).
+trap 'for p in $torch_pid $asan_pid; do kill -- "-$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done; rm -rf "$LOG_DIR"' EXIT
 bash scripts/setup.sh
 TORCH_LOG=$LOG_DIR/setup-torch.log
-bash scripts/setup.sh --with-torch >"$TORCH_LOG" 2>&1 &
+setsid -w bash scripts/setup.sh --with-torch >"$TORCH_LOG" 2>&1 &
 torch_pid=$!
 torch_t0=$SECONDS
 log "installing the integrations' packages in the background (scripts/setup.sh --with-torch)"
@@ -151,10 +154,18 @@ stage python-install env CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
 # fresh machine's compile fills it. LeakSanitizer needs ptrace, which some containers forbid:
 # probe it. The sanitizer build uses clang (GCC builds the release one, so CI compiles the
 # project with both): clang compiles the instrumented units about 15% faster than GCC 12 (test
-# batch tests_7.cpp: 93 s against 110 s). Without clang, GCC.
-asan_cxx=${CXX_ASAN:-clang++} asan_cc=${CC_ASAN:-clang}
-if ! command -v "$asan_cxx" >/dev/null 2>&1 || ! command -v "$asan_cc" >/dev/null 2>&1; then
-  log "$asan_cxx or $asan_cc not found: the sanitizer build uses c++/cc"
+# batch tests_7.cpp: 93 s against 110 s). Without a clang that links ASan + UBSan programs
+# (Debian: clang and libclang-rt-14-dev), GCC.
+asan_cxx=${CXX_ASAN:-clang++}
+asan_cc=${CC_ASAN:-$([[ $asan_cxx == *clang* ]] && echo "${asan_cxx/clang++/clang}" || echo cc)}
+links_sanitized() {  # links_sanitized COMPILER LANG
+  command -v "$1" >/dev/null 2>&1 || return 1
+  mkdir -p "$ASAN_DIR"
+  printf 'int main(void) { return 0; }\n' |
+    "$1" -x "$2" -fsanitize=address,undefined - -o "$ASAN_DIR/sanitizer_link_probe" >/dev/null 2>&1
+}
+if ! links_sanitized "$asan_cxx" c++ || ! links_sanitized "$asan_cc" c; then
+  log "$asan_cxx/$asan_cc cannot link ASan + UBSan programs: the sanitizer build uses c++/cc"
   asan_cxx=c++ asan_cc=cc
 fi
 # A build directory configured with another compiler is started afresh (CMake cannot switch).
@@ -178,6 +189,11 @@ else
   log "LeakSanitizer does not work here (no ptrace?): detect_leaks=0"
 fi
 
+# Set before the build: it runs the instrumented test program to list its tests (Python ignores
+# these).
+export ASAN_OPTIONS="detect_leaks=${leaks}:check_initialization_order=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+
 # -O1 -g1 instead of RelWithDebInfo's -O2 -g: instrumented template-heavy code compiles about
 # 2.4x faster, and reports still carry function names and file:line.
 asan_opt=${KVPOLICY_ASAN_OPT_FLAGS:--O1 -g1 -DNDEBUG}
@@ -188,7 +204,7 @@ if stage asan-configure cmake -S . -B "$ASAN_DIR" "${common[@]}" -DKVPOLICY_CUDA
      -DKVPOLICY_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
      "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=${asan_opt}" -DKVPOLICY_BUILD_BENCHMARKS=OFF; then
   log "=== asan-build (in the background, beside the Python tests): cmake --build $ASAN_DIR -j $JOBS"
-  cmake --build "$ASAN_DIR" -j "$JOBS" >"$LOG_DIR/asan-build.log" 2>&1 &
+  setsid -w cmake --build "$ASAN_DIR" -j "$JOBS" >"$LOG_DIR/asan-build.log" 2>&1 &
   asan_pid=$!
   asan_t0=$SECONDS
 fi
@@ -206,8 +222,6 @@ if ((py_ok)); then
   note_skips cli-pytest
 fi
 
-export ASAN_OPTIONS="detect_leaks=${leaks}:check_initialization_order=1"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 if [[ -n $asan_pid ]]; then
   rc=0
   wait "$asan_pid" || rc=$?
