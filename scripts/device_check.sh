@@ -6,8 +6,20 @@
 #
 #   scripts/device_check.sh                 # on the GPU machine, from the repository root
 #   scripts/device_check.sh --fetch-debs    # on a networked dev machine, beforehand (see below)
+#   scripts/device_check.sh --bundle DIR [--python PY]   # on the dev machine: build, then copy
+#                                           # the programs and their non-system libraries to DIR
+#   scripts/device_check.sh --prebuilt DIR  # on the GPU machine: run DIR's programs, build nothing
 #
-# Environment: BUILD_DIR (default build-device), CUDA_ARCHS (default "native": only the GPU
+# Device time is scarce and a GPU machine may have no compilers' dependencies (Eigen, Catch2):
+# --bundle builds on the dev machine (BUILD_DIR, CUDA archs 80;90 as in CI, so ccache serves it)
+# and writes DIR/bin (the test and benchmark programs, stripped), DIR/lib (their libraries that
+# are not glibc's or the compiler's) and, with --python PY, DIR/python (the kvpolicy package
+# with _core built for PY: pass the GPU machine's Python version, e.g. a pyenv 3.12). Carry DIR
+# (it must stay under the device tool's 64 MiB with the tree) and run --prebuilt there. The
+# programs need the GPU machine's glibc and libstdc++ to be as new as the dev machine's.
+#
+# Environment: BUILD_DIR (default build-device), PY_BUILD_DIR (--python: default $BUILD_DIR-py),
+# CASE_TIMEOUT, BENCH_TIMEOUT, PY_TIMEOUT, MEMCHECK_TIMEOUT (seconds; MEMCHECK_TIMEOUT=0: no memcheck), CUDA_ARCHS (default "native": only the GPU
 # present, which keeps nvcc time down), JOBS (default nproc), OUT (if set, logs are copied there).
 #
 # Offline GPU machines: scripts/setup.sh installs the apt packages when it can reach a mirror. If
@@ -34,9 +46,27 @@ finish() {
   echo
   log "summary"
   for s in "${SUMMARY[@]}"; do echo "  $s"; done
-  if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then cp -f "$BUILD_DIR"/device_check_*.log "$OUT"/ 2>/dev/null || true; fi
+  if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then
+    for f in "${LOGS[@]}"; do [[ -f $f ]] && cp -f "$f" "$OUT"/; done
+    printf '%s\n' "${SUMMARY[@]}" >"$OUT/device_check_summary.txt"
+  fi
   exit "$STATUS"
 }
+
+MODE=build
+PREBUILT=""
+BUNDLE_PY=""
+case ${1:-} in
+  --bundle | --prebuilt)
+    [[ -n ${2:-} ]] || { log "$1 needs a directory"; exit 2; }
+    MODE=${1#--}; PREBUILT=$2
+    if [[ ${3:-} == --python ]]; then
+      [[ $MODE == bundle && -n ${4:-} ]] || { log "--python PY goes with --bundle"; exit 2; }
+      BUNDLE_PY=$4
+    fi ;;
+  --fetch-debs | "") ;;
+  *) log "unknown option '$1' (valid: --fetch-debs, --bundle DIR [--python PY], --prebuilt DIR)"; exit 2 ;;
+esac
 
 if [[ ${1:-} == --fetch-debs ]]; then
   mkdir -p "$DEBS_DIR"
@@ -47,106 +77,196 @@ if [[ ${1:-} == --fetch-debs ]]; then
 fi
 
 export PATH="/usr/local/cuda/bin:$PATH"
+LOGS=()  # logs to copy to $OUT
 
-# ---- 1. dependencies -------------------------------------------------------------------------
-if [[ -x scripts/setup.sh ]]; then
-  log "running scripts/setup.sh"
-  scripts/setup.sh || log "setup.sh failed (offline machine?); continuing with what is installed"
-fi
-if compgen -G "$DEBS_DIR/*.deb" >/dev/null; then
-  for deb in "$DEBS_DIR"/*.deb; do
-    pkg=$(dpkg-deb -f "$deb" Package)
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
-      log "unpacking $deb"
-      dpkg -x "$deb" / || log "could not unpack $deb"
-    fi
+# ---- bundle (dev machine): build, then copy programs and libraries ------------------------------
+if [[ $MODE == bundle ]]; then
+  generator=()
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  launcher=()
+  command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  cmake -S . -B "$BUILD_DIR" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=ON \
+    >"$BUILD_DIR.configure.log" 2>&1 || { log "configure failed: $BUILD_DIR.configure.log"; exit 1; }
+  cmake --build "$BUILD_DIR" -j "$JOBS" --target kvpolicy_tests kvpolicy_bench || exit 1
+  programs=("$BUILD_DIR/tests/kvpolicy_tests" "$BUILD_DIR/benchmarks/kvpolicy_bench")
+  rm -rf "$PREBUILT" && mkdir -p "$PREBUILT/bin" "$PREBUILT/lib"
+  if [[ -n $BUNDLE_PY ]]; then
+    PY_BUILD_DIR=${PY_BUILD_DIR:-$BUILD_DIR-py}
+    pyb=$("$BUNDLE_PY" -m pybind11 --cmakedir 2>/dev/null || .venv/bin/python -m pybind11 --cmakedir) \
+      || { log "pybind11 not found (for $BUNDLE_PY or in .venv)"; exit 1; }
+    cmake -S . -B "$PY_BUILD_DIR" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DKVPOLICY_PYTHON=ON -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_BENCHMARKS=OFF \
+      -DKVPOLICY_BUILD_CLI=OFF -DKVPOLICY_BUILD_EXAMPLES=OFF -DKVPOLICY_INSTALL=OFF -DKVPOLICY_CUDA=ON \
+      -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DPython_EXECUTABLE="$BUNDLE_PY" -Dpybind11_DIR="$pyb" \
+      >"$PY_BUILD_DIR.configure.log" 2>&1 || { log "configure failed: $PY_BUILD_DIR.configure.log"; exit 1; }
+    cmake --build "$PY_BUILD_DIR" -j "$JOBS" --target _core || exit 1
+    mkdir -p "$PREBUILT/python/kvpolicy"
+    cp python/kvpolicy/*.py "$PREBUILT/python/kvpolicy/"
+    core=$(find "$PY_BUILD_DIR/python" -maxdepth 1 -name '_core*.so' | head -1)
+    [[ -n $core ]] || { log "no _core module in $PY_BUILD_DIR/python"; exit 1; }
+    cp "$core" "$PREBUILT/python/kvpolicy/" && strip "$PREBUILT/python/kvpolicy/$(basename "$core")"
+    programs+=("$core")
+  fi
+  for p in "${programs[@]:0:2}"; do cp "$p" "$PREBUILT/bin/" && strip "$PREBUILT/bin/$(basename "$p")"; done
+  # Libraries outside glibc, libgcc and libstdc++ (the GPU machine's own, newer ones serve those).
+  ldd "${programs[@]}" | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+    case $(basename "$lib") in
+      libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | libgcc_s.so* | libstdc++.so* | ld-linux*) ;;
+      *) cp -L "$lib" "$PREBUILT/lib/" ;;
+    esac
   done
-  ldconfig 2>/dev/null || true
+  log "bundle in $PREBUILT ($(du -sh "$PREBUILT" | cut -f1)):"
+  find "$PREBUILT" -type f | sort | sed 's/^/  /'
+  # Packed (xz: about a fifth of the size), so that it travels under the 64 MiB; --prebuilt
+  # unpacks it with Python's tarfile (no xz program needed there).
+  tar -C "$PREBUILT" -cf - bin lib $( [[ -d $PREBUILT/python ]] && echo python) | xz -T"$JOBS" -6 >"$PREBUILT.tar.xz" \
+    && rm -rf "$PREBUILT" && mkdir -p "$PREBUILT" && mv "$PREBUILT.tar.xz" "$PREBUILT/bundle.tar.xz" || exit 1
+  log "packed: $PREBUILT/bundle.tar.xz ($(du -sh "$PREBUILT/bundle.tar.xz" | cut -f1)); carry $PREBUILT"
+  exit 0
 fi
 
-# ---- 2. the machine ----------------------------------------------------------------------------
+# ---- the programs ------------------------------------------------------------------------------
+if [[ $MODE == prebuilt ]]; then
+  PREBUILT=$(cd "$PREBUILT" && pwd) || exit 1
+  if [[ -f $PREBUILT/bundle.tar.xz && ! -d $PREBUILT/bin ]]; then
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      "$PREBUILT/bundle.tar.xz" "$PREBUILT" || { log "could not unpack $PREBUILT/bundle.tar.xz"; exit 1; }
+  fi
+  TESTS=$PREBUILT/bin/kvpolicy_tests
+  BENCH=$PREBUILT/bin/kvpolicy_bench
+  export LD_LIBRARY_PATH="$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  LOG_DIR=$PREBUILT/logs
+  mkdir -p "$LOG_DIR"
+  missing=$(ldd "$TESTS" "$BENCH" 2>&1 | grep "not found" | sort -u)
+  [[ -z $missing ]] || log "libraries not found: $missing"
+  [[ -z $missing ]]; record "the prebuilt programs' libraries resolve" "$?"
+else
+  LOG_DIR=$BUILD_DIR
+  mkdir -p "$BUILD_DIR"
+  # ---- dependencies ----
+  if [[ -x scripts/setup.sh ]]; then
+    log "running scripts/setup.sh"
+    scripts/setup.sh || log "setup.sh failed (offline machine?); continuing with what is installed"
+  fi
+  if compgen -G "$DEBS_DIR/*.deb" >/dev/null; then
+    for deb in "$DEBS_DIR"/*.deb; do
+      pkg=$(dpkg-deb -f "$deb" Package)
+      if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+        log "unpacking $deb"
+        dpkg -x "$deb" / || log "could not unpack $deb"
+      fi
+    done
+    ldconfig 2>/dev/null || true
+  fi
+fi
+
+# ---- the machine -------------------------------------------------------------------------------
 log "nvcc: $(nvcc --version 2>/dev/null | tail -1 || echo 'not found')"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
 else
   log "nvidia-smi not found"
 fi
 
-# ---- 3. configure + build ----------------------------------------------------------------------
-generator=()
-command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
-# Build the benchmarks only when some use the CUDA backend (nvcc and device time are scarce) and
-# Google Benchmark is installed.
-bench=OFF
-if grep -rqsE "cuda_backend|kvpolicy/cuda/" benchmarks/; then
+# ---- configure + build (build mode) ------------------------------------------------------------
+if [[ $MODE == build ]]; then
+  generator=()
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  bench=OFF
   if compgen -G "/usr/lib/*/cmake/benchmark" >/dev/null || compgen -G "/usr/lib/cmake/benchmark" >/dev/null \
      || compgen -G "/usr/local/lib/cmake/benchmark" >/dev/null; then
     bench=ON
   else
-    log "benchmarks/ has CUDA benchmarks but Google Benchmark is not installed: skipping them"
+    log "Google Benchmark is not installed: skipping the CUDA benchmarks"
   fi
-else
-  log "benchmarks/ has no CUDA benchmarks yet"
+  log "configuring $BUILD_DIR (CUDA archs: $CUDA_ARCHS, benchmarks: $bench)"
+  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_CUDA_ARCHITECTURES="$CUDA_ARCHS" \
+    -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=$bench 2>&1 | tee "$LOG_DIR/device_check_configure.log"
+  rc=${PIPESTATUS[0]}
+  record "configure" "$rc"
+  [[ $rc -eq 0 ]] || finish
+  targets=(kvpolicy_cuda kvpolicy_tests)
+  [[ $bench == ON ]] && targets+=(kvpolicy_bench)
+  log "building ${targets[*]} with $JOBS jobs"
+  start=$(date +%s)
+  cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}" 2>&1 | tee "$LOG_DIR/device_check_build.log" | tail -20
+  rc=${PIPESTATUS[0]}
+  record "build (${targets[*]}) in $(( $(date +%s) - start )) s" "$rc"
+  [[ $rc -eq 0 ]] || finish
+  TESTS=$BUILD_DIR/tests/kvpolicy_tests
+  BENCH=$BUILD_DIR/benchmarks/kvpolicy_bench
 fi
-mkdir -p "$BUILD_DIR"
-log "configuring $BUILD_DIR (CUDA archs: $CUDA_ARCHS, benchmarks: $bench)"
-cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_CUDA=ON \
-  -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_CUDA_ARCHITECTURES="$CUDA_ARCHS" \
-  -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=$bench 2>&1 | tee "$BUILD_DIR/device_check_configure.log"
-rc=${PIPESTATUS[0]}
-record "configure" "$rc"
-[[ $rc -eq 0 ]] || finish
 
-targets=(kvpolicy_cuda kvpolicy_tests)
-[[ $bench == ON ]] && targets+=(kvpolicy_bench)
-log "building ${targets[*]} with $JOBS jobs"
-start=$(date +%s)
-cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}" 2>&1 | tee "$BUILD_DIR/device_check_build.log" | tail -20
-rc=${PIPESTATUS[0]}
-record "build (${targets[*]}) in $(( $(date +%s) - start )) s" "$rc"
-[[ $rc -eq 0 ]] || finish
-
-# ---- 4. agreement tests on the GPU ------------------------------------------------------------
-log "running the [gpu] agreement tests"
-"$BUILD_DIR/tests/kvpolicy_tests" "[gpu]" --durations yes 2>&1 | tee "$BUILD_DIR/device_check_gpu_tests.log"
-rc=${PIPESTATUS[0]}
-if grep -q "skipped:" "$BUILD_DIR/device_check_gpu_tests.log"; then
-  log "the GPU tests were skipped: no usable GPU on this machine"
-  [[ $rc -eq 0 ]] && rc=2
-fi
-record "kvpolicy_tests [gpu]" "$rc"
-
-# The spec-string device pipeline end to end (cuda::select/compress/compress_paged and the C ABI's
-# kvp_cuda_compress against the CPU path): already in [gpu] above; run again on its own so that
-# the summary has its own line.
-log "running the spec-string device pipeline ([gpu][device_policy], [gpu][c_api])"
-"$BUILD_DIR/tests/kvpolicy_tests" "[gpu][device_policy],[gpu][c_api]" 2>&1 \
-  | tee "$BUILD_DIR/device_check_device_policy.log" | tail -3
-rc=${PIPESTATUS[0]}
-grep -q "skipped:" "$BUILD_DIR/device_check_device_policy.log" && [[ $rc -eq 0 ]] && rc=2
-record "device policy from spec strings (cuda::compress, kvp_cuda_compress)" "$rc"
-
-log "running the CPU halves and host checks ([agreement]~[gpu])"
-"$BUILD_DIR/tests/kvpolicy_tests" "[agreement]~[gpu]" 2>&1 | tee "$BUILD_DIR/device_check_cpu_tests.log" | tail -3
-record "kvpolicy_tests [agreement]~[gpu]" "${PIPESTATUS[0]}"
-
-(cd "$BUILD_DIR" && ctest -L gpu --output-on-failure 2>&1 | tail -5; exit "${PIPESTATUS[0]}")
-record "ctest -L gpu" "$?"
-
-# ---- 5. CUDA benchmarks, if any --------------------------------------------------------------
-if [[ -x $BUILD_DIR/benchmarks/kvpolicy_bench ]]; then
-  filter='[Cc][Uu][Dd][Aa]|[Gg][Pp][Uu]'
-  if "$BUILD_DIR/benchmarks/kvpolicy_bench" --benchmark_list_tests 2>/dev/null | grep -Eq "$filter"; then
-    log "running CUDA benchmarks (filter: $filter)"
-    # One run: the CUDA benchmarks judge no CPU ratio target (--repeats defaults to 3 for those).
-    "$BUILD_DIR/benchmarks/kvpolicy_bench" --benchmark_filter="$filter" --repeats=1 2>&1 \
-      | tee "$BUILD_DIR/device_check_bench.log"
-    record "kvpolicy_bench (CUDA)" "${PIPESTATUS[0]}"
+# ---- agreement tests on the GPU: every [gpu] case in a process of its own ----------------------
+# (a kernel fault leaves the CUDA context unusable: one process per case keeps the others' results)
+GPU_LOG=$LOG_DIR/device_check_gpu_tests.log
+LOGS+=("$GPU_LOG")
+: >"$GPU_LOG"
+mapfile -t cases < <("$TESTS" --list-test-names-only "[gpu]" | sed '/^$/d')
+log "running ${#cases[@]} [gpu] cases, one process each"
+n_pass=0; n_fail=0; n_skip=0
+for c in "${cases[@]}"; do
+  spec=$(printf '%s' "$c" | sed 's/[],[\\]/\\&/g')  # Catch2: escape , [ ] and \ in a test name
+  start=$(date +%s%N)
+  timeout "${CASE_TIMEOUT:-180}" "$TESTS" "$spec" --durations yes >"$LOG_DIR/case.log" 2>&1
+  rc=$?
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  secs=$((ms / 1000)).$(( (ms % 1000) / 100 ))
+  { echo "===== $c (rc=$rc, ${secs} s)"; cat "$LOG_DIR/case.log"; } >>"$GPU_LOG"
+  if grep -q "skipped:" "$LOG_DIR/case.log"; then
+    n_skip=$((n_skip + 1)); SUMMARY+=("SKIP  [gpu] $c")
+  elif [[ $rc -eq 0 ]] && grep -q "All tests passed" "$LOG_DIR/case.log"; then
+    n_pass=$((n_pass + 1)); SUMMARY+=("PASS  [gpu] $c (${secs} s)")
   else
-    log "kvpolicy_bench has no CUDA benchmarks yet"
+    n_fail=$((n_fail + 1)); SUMMARY+=("FAIL  [gpu] $c (rc=$rc, ${secs} s)"); STATUS=1
   fi
+done
+rm -f "$LOG_DIR/case.log"
+log "[gpu] cases: $n_pass passed, $n_fail failed, $n_skip skipped (no usable GPU)"
+((n_skip == 0 && ${#cases[@]} > 0)) || STATUS=1
+
+if [[ $MODE == build ]]; then
+  log "running the CPU halves and host checks ([agreement]~[gpu])"
+  "$TESTS" "[agreement]~[gpu]" 2>&1 | tee "$LOG_DIR/device_check_cpu_tests.log" | tail -3
+  record "kvpolicy_tests [agreement]~[gpu]" "${PIPESTATUS[0]}"
+fi
+
+# ---- CUDA benchmarks ---------------------------------------------------------------------------
+if [[ -x $BENCH ]]; then
+  filter='[Cc][Uu][Dd][Aa]|[Gg][Pp][Uu]'
+  log "running CUDA benchmarks (filter: $filter)"
+  LOGS+=("$LOG_DIR/device_check_bench.log")
+  # One run: the CUDA benchmarks judge no CPU ratio target (--repeats defaults to 3 for those).
+  timeout "${BENCH_TIMEOUT:-300}" "$BENCH" --benchmark_filter="$filter" --repeats=1 2>&1 \
+    | tee "$LOG_DIR/device_check_bench.log"
+  record "kvpolicy_bench (CUDA)" "${PIPESTATUS[0]}"
 else
   log "no benchmark binary (benchmarks off or not built)"
+fi
+
+# ---- Python: CUDA tensors through DLPack -------------------------------------------------------
+if [[ $MODE == prebuilt && -d $PREBUILT/python/kvpolicy ]]; then
+  log "running python/tests/test_device.py with $PREBUILT/python on $(python3 --version 2>&1)"
+  LOGS+=("$LOG_DIR/device_check_python.log")
+  PYTHONPATH="$PREBUILT/python" timeout "${PY_TIMEOUT:-240}" python3 -m pytest -q -rs \
+    -p no:cacheprovider python/tests/test_device.py 2>&1 | tee "$LOG_DIR/device_check_python.log" | tail -15
+  rc=${PIPESTATUS[0]}
+  grep -Eq "^SKIPPED" "$LOG_DIR/device_check_python.log" && [[ $rc -eq 0 ]] && rc=2
+  record "pytest python/tests/test_device.py (no skips)" "$rc"
+fi
+
+# ---- compute-sanitizer memcheck over the [gpu] cases ---------------------------------------------
+if [[ ${MEMCHECK_TIMEOUT:-240} -gt 0 ]] && command -v compute-sanitizer >/dev/null 2>&1; then
+  log "compute-sanitizer memcheck over [gpu] (at most ${MEMCHECK_TIMEOUT:-240} s)"
+  LOGS+=("$LOG_DIR/device_check_memcheck.log")
+  timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
+    "$TESTS" "[gpu]" >"$LOG_DIR/device_check_memcheck.log" 2>&1
+  rc=$?
+  tail -5 "$LOG_DIR/device_check_memcheck.log"
+  [[ $rc -eq 124 ]] && log "memcheck timed out (not a failure of the code; raise MEMCHECK_TIMEOUT)"
+  record "compute-sanitizer memcheck [gpu]" "$rc"
 fi
 
 finish

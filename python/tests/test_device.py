@@ -391,3 +391,42 @@ def test_cuda_tensors_keep_the_host_paths_sets(rng):
         for h in range(k.shape[1]):
             n = want.counts[l, h]
             assert len(set(got.indices[l, h, :n]) ^ set(want.indices[l, h, :n])) <= 2
+
+
+def _torch_cuda():
+    """torch when it is installed and sees a GPU, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@pytest.mark.skipif(not _core.cuda_built or _torch_cuda() is None,
+                    reason="needs kvpolicy built with CUDA, torch with CUDA, and a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_cuda_tensors_on_a_stream_keep_the_host_paths_sets(rng, dtype):
+    # torch's own CUDA tensors through __dlpack__, on a side stream that torch's copies are queued
+    # on: the call orders its work after them, and the kept rows are compacted in place. The host
+    # reference is the same values in float32 (fp16 / bf16 round exactly to float32), so the
+    # kept sets must agree, and the compacted rows equal the host's kept rows.
+    torch = _torch_cuda()
+    k, v = cache(rng, T=64)
+    q = _queries(rng)
+    tdtype = getattr(torch, dtype)
+    tk, tv, tq = (torch.from_numpy(x).to(tdtype) for x in (k, v, q))
+    hk, hv, hq = (x.to(torch.float32).numpy() for x in (tk, tv, tq))
+    side = torch.cuda.Stream()
+    for spec in ("snapkv(window=8) | pyramid | adakv", "knorm", "keydiff | adakv"):
+        p = kvpolicy.Policy(spec)
+        want = p.compress(hk.copy(), hv.copy(), hq, budget=0.4)
+        with torch.cuda.stream(side):
+            dk, dv, dq = (x.to("cuda", non_blocking=False) for x in (tk, tv, tq))
+            got = p.compress(dk, dv, dq, budget=0.4, stream=side.cuda_stream)
+        np.testing.assert_array_equal(got.counts, want.counts)
+        np.testing.assert_array_equal(got.indices, want.indices)
+        width = want.indices.shape[2]
+        np.testing.assert_array_equal(dk[:, :, :width].to(torch.float32).cpu().numpy(),
+                                      want.keys)
+        np.testing.assert_array_equal(dv[:, :, :width].to(torch.float32).cpu().numpy(),
+                                      want.values)

@@ -25,12 +25,14 @@
 #include <kvpolicy/scorers/knorm_row.hpp>
 #include <kvpolicy/scorers/streaming_row.hpp>
 #include <kvpolicy/scorers/tova_row.hpp>
+#include <kvpolicy/scorers/h2o.hpp>
 #include <kvpolicy/scorers/keydiff.hpp>
 #include <kvpolicy/scorers/knorm.hpp>
 #include <kvpolicy/scorers/streaming.hpp>
 #include <kvpolicy/scorers/tova.hpp>
 #if defined(KVPOLICY_WITH_CUDA)
 #include <kvpolicy/cuda/baselines.hpp>
+#include <kvpolicy/cuda/window_attention.hpp>
 #include <kvpolicy/cuda/select.hpp>
 #endif
 
@@ -501,6 +503,43 @@ TEST_CASE("CUDA baseline wrappers and entry points reject bad arguments", "[agre
   CHECK(cuda::streaming_score(be, cuda::MutableScoreView{nullptr, 0, 3, 5, 5}).ok());  // empty
   CHECK(cuda::streaming_score(be, cuda::MutableScoreView{nullptr, 1, 3, 5, 5}).code ==
         cuda::StatusCode::invalid_argument);
+}
+#endif
+
+#if defined(KVPOLICY_WITH_CUDA)
+// The typed workspace queries are host code and need no device: each returns the bytes that the
+// Status query it wraps fills in. They once returned 0 (detail::bytes_or_throw read its `bytes`
+// argument before the query beside it in the same call had set it), so every workspace sized by
+// them was 1 byte; only the first run on a GPU found it.
+TEST_CASE("the typed CUDA workspace queries return the bytes their status queries fill",
+          "[agreement]") {
+  for (const Case& c : cases()) {
+    INFO(describe(c));
+    const auto d = make_data<float>(c, 5);
+    const auto in = inputs_of(d);
+    const std::int64_t nq = in.queries.tokens;
+    std::size_t b = 0;
+    REQUIRE(cuda::keydiff_workspace_bytes(erase(in.keys), b).ok());
+    CHECK(b > 0);
+    CHECK(cuda::score_workspace_bytes(KeyDiff{}, in) == b);
+    REQUIRE(cuda::tova_workspace_bytes(erase(in.keys), erase(in.queries), b).ok());
+    CHECK(b > 0);
+    CHECK(cuda::score_workspace_bytes(TOVA{}, in) == b);
+    REQUIRE(cuda::h2o_workspace_bytes(erase(in.keys), erase(in.queries), b).ok());
+    CHECK(b > 0);
+    CHECK(cuda::score_workspace_bytes(H2O{}, in) == b);
+    REQUIRE(cuda::window_attention_workspace_bytes(erase(in.keys), erase(in.queries), nq, b).ok());
+    CHECK(b > 0);
+    CHECK(cuda::window_attention_workspace_bytes(in.keys, in.queries, nq) == b);
+  }
+  // The helper itself, whichever order the arguments are evaluated in (adakv's query asks CUB,
+  // which needs a device, so it is not among the host cases above).
+  std::size_t b = 0;
+  const auto fill = [&b](std::size_t v) {
+    b = v;
+    return cuda::Status{};
+  };
+  CHECK(cuda::detail::bytes_or_throw(fill(4096), b, "fill") == 4096);
 }
 #endif
 

@@ -37,7 +37,11 @@ void require_score_args(const cuda_backend& be, const KVView<const T>& keys,
   require_score_output(be, keys, out, op);
 }
 
-inline std::size_t bytes_or_throw(Status s, std::size_t bytes, const char* op) {
+// `bytes` by reference: callers pass the variable that the query call in the same argument list
+// fills (bytes_or_throw(query(..., b), b, op)), and the order in which a call's arguments are
+// evaluated is unspecified (GCC evaluates right to left: a by-value `bytes` read 0 there, and
+// every device workspace sized through it was 1 byte).
+inline std::size_t bytes_or_throw(Status s, const std::size_t& bytes, const char* op) {
   throw_if_error(s, op);
   return bytes;
 }
