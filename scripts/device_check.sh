@@ -19,7 +19,8 @@
 # programs need the GPU machine's glibc and libstdc++ to be as new as the dev machine's.
 #
 # Environment: BUILD_DIR (default build-device), PY_BUILD_DIR (--python: default $BUILD_DIR-py),
-# CASE_TIMEOUT, BENCH_TIMEOUT, PY_TIMEOUT, MEMCHECK_TIMEOUT (seconds; MEMCHECK_TIMEOUT=0: no memcheck), CUDA_ARCHS (default "native": only the GPU
+# CASE_TIMEOUT, BENCH_TIMEOUT, PY_TIMEOUT, SANITIZER_TIMEOUT (seconds; 0: no compute-sanitizer),
+# SANITIZER_TOOLS (default memcheck), CUDA_ARCHS (default "native": only the GPU
 # present, which keeps nvcc time down), JOBS (default nproc), OUT (if set, logs are copied there).
 #
 # Offline GPU machines: scripts/setup.sh installs the apt packages when it can reach a mirror. If
@@ -257,16 +258,20 @@ if [[ $MODE == prebuilt && -d $PREBUILT/python/kvpolicy ]]; then
   record "pytest python/tests/test_device.py (no skips)" "$rc"
 fi
 
-# ---- compute-sanitizer memcheck over the [gpu] cases ---------------------------------------------
-if [[ ${MEMCHECK_TIMEOUT:-240} -gt 0 ]] && command -v compute-sanitizer >/dev/null 2>&1; then
-  log "compute-sanitizer memcheck over [gpu] (at most ${MEMCHECK_TIMEOUT:-240} s)"
-  LOGS+=("$LOG_DIR/device_check_memcheck.log")
-  timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
-    "$TESTS" "[gpu]" >"$LOG_DIR/device_check_memcheck.log" 2>&1
-  rc=$?
-  tail -5 "$LOG_DIR/device_check_memcheck.log"
-  [[ $rc -eq 124 ]] && log "memcheck timed out (not a failure of the code; raise MEMCHECK_TIMEOUT)"
-  record "compute-sanitizer memcheck [gpu]" "$rc"
+# ---- compute-sanitizer over the [gpu] cases -------------------------------------------------------
+# SANITIZER_TOOLS (default memcheck; racecheck and synccheck check the kernels' shared-memory
+# use and barriers), each run bounded by SANITIZER_TIMEOUT seconds (0: none run).
+if [[ ${SANITIZER_TIMEOUT:-240} -gt 0 ]] && command -v compute-sanitizer >/dev/null 2>&1; then
+  for tool in ${SANITIZER_TOOLS:-memcheck}; do
+    log "compute-sanitizer --tool $tool over [gpu] (at most ${SANITIZER_TIMEOUT:-240} s)"
+    LOGS+=("$LOG_DIR/device_check_$tool.log")
+    timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      --print-limit 30 "$TESTS" "[gpu]" >"$LOG_DIR/device_check_$tool.log" 2>&1
+    rc=$?
+    tail -5 "$LOG_DIR/device_check_$tool.log"
+    [[ $rc -eq 124 ]] && log "$tool timed out (not a failure of the code; raise SANITIZER_TIMEOUT)"
+    record "compute-sanitizer $tool [gpu]" "$rc"
+  done
 fi
 
 finish
