@@ -31,10 +31,13 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "kvpolicy/cuda/compact_math.hpp"
 #include "kvpolicy/cuda/launch.hpp"
 
 namespace kvpolicy::cuda {
 namespace {
+
+using compact_math::first_moved;
 
 constexpr int compact_block = 256;
 
@@ -45,18 +48,6 @@ struct UnitGeometry {
   int row_units;  // copy units per token row
   int tile_rows;  // rows staged per tile
 };
-
-// First i with kept[i] != i; rows before it are already in place (kept is strictly ascending
-// with kept[i] >= i, so kept[i] == i holds exactly on a prefix).
-__device__ std::int64_t first_moved(const std::int32_t* kept, std::int64_t n) {
-  std::int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    if (kept[mid] == mid) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
 
 template <class U>
 __global__ void __launch_bounds__(compact_block)
@@ -86,9 +77,9 @@ __global__ void __launch_bounds__(compact_block)
   }
 }
 
-constexpr int compact_cluster_blocks = 8;   // portable cluster size
-constexpr int compact_cluster_threads = 512;
-constexpr int compact_cluster_units = 8;   // copy units staged in registers per thread and round
+constexpr int compact_cluster_blocks = compact_math::kClusterBlocks;
+constexpr int compact_cluster_threads = compact_math::kClusterThreads;
+constexpr int compact_cluster_units = compact_math::kClusterUnits;
 
 template <class U>
 __global__ void __launch_bounds__(compact_cluster_threads)
@@ -96,11 +87,11 @@ __global__ void __launch_bounds__(compact_cluster_threads)
                            const std::int32_t* indices) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
+  namespace cm = compact_math;
   cg::cluster_group cluster = cg::this_cluster();
   const std::int64_t rank = cluster.block_rank();
-  const std::int64_t per_block = std::int64_t{compact_cluster_threads} * compact_cluster_units;
-  const std::int64_t per_round = per_block * compact_cluster_blocks;  // copy units
   const std::int64_t clusters = gridDim.x / compact_cluster_blocks;
+  const int t = static_cast<int>(threadIdx.x);
   // Every bound below is the same in all blocks of the cluster, so they meet at every barrier.
   for (std::int64_t r = blockIdx.x / compact_cluster_blocks; r < g.rows; r += clusters) {
     U* base = data + (r / g.heads) * g.stride_layer + (r % g.heads) * g.stride_head;
@@ -109,32 +100,23 @@ __global__ void __launch_bounds__(compact_cluster_threads)
     const std::int32_t* kept = indices + begin;
     const std::int64_t t0 = first_moved(kept, n);
     const std::int64_t units = (n - t0) * g.row_units;  // units to move in this row
-    // Unit e of the row is column c = e % row_units of kept row i = e / row_units; a thread's
-    // units step by the block size, so (i, c) advance by (di, dc) without dividing again.
-    const std::int64_t di = compact_cluster_threads / g.row_units;
-    const int dc = compact_cluster_threads % g.row_units;
-    for (std::int64_t u0 = 0; u0 < units; u0 += per_round) {
+    for (std::int64_t u0 = 0; u0 < units; u0 += cm::cluster_round_units()) {
       U v[compact_cluster_units];
-      const std::int64_t first = u0 + rank * per_block + threadIdx.x;
-      const std::int64_t i0 = first / g.row_units;
-      const int c0 = static_cast<int>(first - i0 * g.row_units);
-      std::int64_t i = i0;
-      int c = c0;
+      const std::int64_t first = cm::cluster_first_unit(u0, rank, t);
+      cm::Unit u = cm::unit_at(first, g.row_units);
 #pragma unroll
       for (int k = 0; k < compact_cluster_units; ++k) {
         if (first + std::int64_t{k} * compact_cluster_threads < units)
-          v[k] = base[kept[t0 + i] * g.stride_token + c * g.stride_col];
-        i += di, c += dc;
-        if (c >= g.row_units) c -= g.row_units, ++i;
+          v[k] = base[kept[t0 + u.i] * g.stride_token + u.c * g.stride_col];
+        cm::next_unit(u, g.row_units);
       }
       cluster.sync();  // every read of the round before any write
-      i = i0, c = c0;
+      u = cm::unit_at(first, g.row_units);
 #pragma unroll
       for (int k = 0; k < compact_cluster_units; ++k) {
         if (first + std::int64_t{k} * compact_cluster_threads < units)
-          base[(t0 + i) * g.stride_token + c * g.stride_col] = v[k];
-        i += di, c += dc;
-        if (c >= g.row_units) c -= g.row_units, ++i;
+          base[(t0 + u.i) * g.stride_token + u.c * g.stride_col] = v[k];
+        cm::next_unit(u, g.row_units);
       }
     }
   }
