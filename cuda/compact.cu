@@ -17,15 +17,17 @@
 // head) row, and the cluster barrier gives the read-before-write order across its blocks: each
 // round, every block loads its share of the round's kept rows into registers
 // (compact_cluster_units copy units per thread), the cluster synchronises, then every block
-// stores. Rounds move forward through the row exactly as tiles do above: a round reads rows at or
-// after its first destination, which no earlier round wrote, so only the write-after-read order
-// inside a round needs the barrier (nothing a round reads was written by this kernel, so no store
+// stores. Rounds move forward through the row as tiles do above: a moved row's source is strictly
+// after it (kept[i] > i past the rows already in place), so a round reads only rows strictly after
+// every row an earlier round wrote (rounds count units: a row can be split between two rounds),
+// and only the write-after-read order inside a round needs the barrier (nothing a round reads was written by this kernel, so no store
 // has to become visible to another block). A cluster moves up to 8 x 512 x 8 x 16 B = 512 KiB per
 // round, against one block's 32 KiB shared-memory tile before. Measured on an H200 (one layer of
 // 8 KV heads, T = 32768, fp16, 20% kept: kvpolicy_bench BM_cuda_compact_vs_memcpy): 691 us with
 // one block per row (2.5% of a memcpy of the same bytes), 61 us with clusters of 8 (26%); clusters
 // of 16 (non-portable) with 16 units per thread ran at 70 us, no better. Older devices, and a
-// cluster launch the device refuses, take the one-block kernel.
+// cluster launch the device refuses (the error it leaves is cleared), and builds without sm_90
+// code take the one-block kernel.
 #include <cooperative_groups.h>
 
 #include <cstdint>
@@ -100,39 +102,51 @@ __global__ void __launch_bounds__(compact_cluster_threads)
     const std::int32_t* kept = indices + begin;
     const std::int64_t t0 = first_moved(kept, n);
     const std::int64_t units = (n - t0) * g.row_units;  // units to move in this row
+    const cm::UnitStep step = cm::unit_step(g.row_units);
     for (std::int64_t u0 = 0; u0 < units; u0 += cm::cluster_round_units()) {
       U v[compact_cluster_units];
       const std::int64_t first = cm::cluster_first_unit(u0, rank, t);
-      cm::Unit u = cm::unit_at(first, g.row_units);
+      const cm::Unit u_first = cm::unit_at(first, g.row_units);
+      cm::Unit u = u_first;
 #pragma unroll
       for (int k = 0; k < compact_cluster_units; ++k) {
         if (first + std::int64_t{k} * compact_cluster_threads < units)
           v[k] = base[kept[t0 + u.i] * g.stride_token + u.c * g.stride_col];
-        cm::next_unit(u, g.row_units);
+        cm::next_unit(u, step, g.row_units);
       }
       cluster.sync();  // every read of the round before any write
-      u = cm::unit_at(first, g.row_units);
+      u = u_first;
 #pragma unroll
       for (int k = 0; k < compact_cluster_units; ++k) {
         if (first + std::int64_t{k} * compact_cluster_threads < units)
           base[(t0 + u.i) * g.stride_token + u.c * g.stride_col] = v[k];
-        cm::next_unit(u, g.row_units);
+        cm::next_unit(u, step, g.row_units);
       }
     }
   }
 #else
   (void)data, (void)g, (void)offsets, (void)indices, (void)compact_cluster_units;
-  __trap();  // launched only on compute capability >= 9.0 (launch() checks)
+  __trap();  // never launched: clusters_available() requires this kernel's sm_90 form
 #endif
 }
 
-// Whether the current device runs thread block clusters (compute capability >= 9.0).
+// Whether the cluster kernel can run on the current device: compute capability 9.0 or later, and
+// the build holds its sm_90 form (a build for older architectures alone would run the PTX of its
+// trap branch through the driver's JIT).
+template <class U>
 bool clusters_available() {
   int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
     return false;
-  return major >= 9;
+  }
+  cudaFuncAttributes fa{};
+  if (major < 9 || cudaFuncGetAttributes(&fa, compact_cluster_kernel<U>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.ptxVersion >= 90;
 }
 
 template <class U>
@@ -149,7 +163,7 @@ Status launch(const cuda_backend& be, const RowsView& v, int unit, const CsrSele
   g.row_units = static_cast<int>(v.dim * v.elem_bytes / unit);
   const std::int64_t row_bytes = v.dim * v.elem_bytes;
   g.tile_rows = static_cast<int>(compact_max_row_bytes / row_bytes);
-  if (clusters_available()) {
+  if (clusters_available<U>()) {
     cudaLaunchConfig_t cfg{};
     const std::int64_t clusters = g.rows < (1 << 16) ? g.rows : (1 << 16);
     cfg.gridDim = dim3(static_cast<unsigned>(clusters * compact_cluster_blocks));

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One command for a machine with a GPU: configure and build kvpolicy with CUDA (Release), run the
-# CPU-vs-CUDA agreement tests ([gpu]), the spec-string device pipeline against the CPU path, then
-# the CUDA benchmarks if the build has any (bench_cuda_policy: a policy end to end, GPU vs CPU).
-# Prints what it ran and a summary; exits non-zero if a step failed or the GPU tests were skipped.
+# One command for a machine with a GPU: configure and build kvpolicy with CUDA (Release), or take
+# programs built elsewhere (--prebuilt), then run every CPU-vs-CUDA agreement case ([gpu]: among
+# them the spec-string device pipeline, the C ABI's and the tensor-parallel runs) one process
+# each, the CUDA benchmarks, python/tests/test_device.py (--prebuilt with a Python package) and
+# compute-sanitizer. Prints what it ran and a summary; exits non-zero if a step failed or the GPU
+# cases were skipped.
 #
 #   scripts/device_check.sh                 # on the GPU machine, from the repository root
 #   scripts/device_check.sh --fetch-debs    # on a networked dev machine, beforehand (see below)
@@ -12,11 +14,12 @@
 #
 # Device time is scarce and a GPU machine may have no compilers' dependencies (Eigen, Catch2):
 # --bundle builds on the dev machine (BUILD_DIR, CUDA archs 80;90 as in CI, so ccache serves it)
-# and writes DIR/bin (the test and benchmark programs, stripped), DIR/lib (their libraries that
-# are not glibc's or the compiler's) and, with --python PY, DIR/python (the kvpolicy package
-# with _core built for PY: pass the GPU machine's Python version, e.g. a pyenv 3.12). Carry DIR
-# (it must stay under the device tool's 64 MiB with the tree) and run --prebuilt there. The
-# programs need the GPU machine's glibc and libstdc++ to be as new as the dev machine's.
+# and packs into DIR/bundle.tar.xz: bin/ (the test and benchmark programs, stripped), lib/ (their
+# libraries that are not glibc's or the compiler's) and, with --python PY, python/ (the kvpolicy
+# package with _core built for PY: pass the GPU machine's Python version, e.g. a pyenv 3.12).
+# Carry DIR (it must stay under the device tool's 64 MiB with the tree) and run --prebuilt there,
+# which unpacks it. The programs need the GPU machine's glibc and libstdc++ to be as new as the
+# dev machine's.
 #
 # Environment: BUILD_DIR (default build-device), PY_BUILD_DIR (--python: default $BUILD_DIR-py),
 # CASE_TIMEOUT, BENCH_TIMEOUT, PY_TIMEOUT, SANITIZER_TIMEOUT (seconds; 0: no compute-sanitizer),
@@ -60,7 +63,7 @@ BUNDLE_PY=""
 case ${1:-} in
   --bundle | --prebuilt)
     [[ -n ${2:-} ]] || { log "$1 needs a directory"; exit 2; }
-    MODE=${1#--}; PREBUILT=$2
+    MODE=${1#--}; PREBUILT=${2%/}
     if [[ ${3:-} == --python ]]; then
       [[ $MODE == bundle && -n ${4:-} ]] || { log "--python PY goes with --bundle"; exit 2; }
       BUNDLE_PY=$4
@@ -86,9 +89,15 @@ if [[ $MODE == bundle ]]; then
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
   launcher=()
   command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  if [[ -e $PREBUILT && -n $(ls -A "$PREBUILT" 2>/dev/null) && ! -f $PREBUILT/bundle.tar.xz && ! -d $PREBUILT/bin ]]; then
+    log "$PREBUILT exists and is not a bundle: refusing to replace it"; exit 2
+  fi
+  mkdir -p "$BUILD_DIR"
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_CUDA=ON \
-    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=ON \
-    >"$BUILD_DIR.configure.log" 2>&1 || { log "configure failed: $BUILD_DIR.configure.log"; exit 1; }
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_CUDA_ARCHITECTURES="80;90" \
+    -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=ON \
+    >"$BUILD_DIR/device_check_configure.log" 2>&1 \
+    || { log "configure failed: $BUILD_DIR/device_check_configure.log"; exit 1; }
   cmake --build "$BUILD_DIR" -j "$JOBS" --target kvpolicy_tests kvpolicy_bench || exit 1
   programs=("$BUILD_DIR/tests/kvpolicy_tests" "$BUILD_DIR/benchmarks/kvpolicy_bench")
   rm -rf "$PREBUILT" && mkdir -p "$PREBUILT/bin" "$PREBUILT/lib"
@@ -96,11 +105,14 @@ if [[ $MODE == bundle ]]; then
     PY_BUILD_DIR=${PY_BUILD_DIR:-$BUILD_DIR-py}
     pyb=$("$BUNDLE_PY" -m pybind11 --cmakedir 2>/dev/null || .venv/bin/python -m pybind11 --cmakedir) \
       || { log "pybind11 not found (for $BUNDLE_PY or in .venv)"; exit 1; }
+    mkdir -p "$PY_BUILD_DIR"
     cmake -S . -B "$PY_BUILD_DIR" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release \
       -DKVPOLICY_PYTHON=ON -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_BENCHMARKS=OFF \
       -DKVPOLICY_BUILD_CLI=OFF -DKVPOLICY_BUILD_EXAMPLES=OFF -DKVPOLICY_INSTALL=OFF -DKVPOLICY_CUDA=ON \
+      -DKVPOLICY_CUDA_ARCHITECTURES="80;90" \
       -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DPython_EXECUTABLE="$BUNDLE_PY" -Dpybind11_DIR="$pyb" \
-      >"$PY_BUILD_DIR.configure.log" 2>&1 || { log "configure failed: $PY_BUILD_DIR.configure.log"; exit 1; }
+      >"$PY_BUILD_DIR/device_check_configure.log" 2>&1 \
+      || { log "configure failed: $PY_BUILD_DIR/device_check_configure.log"; exit 1; }
     cmake --build "$PY_BUILD_DIR" -j "$JOBS" --target _core || exit 1
     mkdir -p "$PREBUILT/python/kvpolicy"
     cp python/kvpolicy/*.py "$PREBUILT/python/kvpolicy/"
@@ -131,7 +143,12 @@ fi
 if [[ $MODE == prebuilt ]]; then
   PREBUILT=$(cd "$PREBUILT" && pwd) || exit 1
   if [[ -f $PREBUILT/bundle.tar.xz && ! -d $PREBUILT/bin ]]; then
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    python3 -c 'import sys, tarfile
+t = tarfile.open(sys.argv[1])
+try:
+    t.extractall(sys.argv[2], filter="data")
+except TypeError:  # Python without extraction filters
+    t.extractall(sys.argv[2])' \
       "$PREBUILT/bundle.tar.xz" "$PREBUILT" || { log "could not unpack $PREBUILT/bundle.tar.xz"; exit 1; }
   fi
   TESTS=$PREBUILT/bin/kvpolicy_tests
@@ -182,6 +199,7 @@ if [[ $MODE == build ]]; then
     log "Google Benchmark is not installed: skipping the CUDA benchmarks"
   fi
   log "configuring $BUILD_DIR (CUDA archs: $CUDA_ARCHS, benchmarks: $bench)"
+  LOGS+=("$LOG_DIR/device_check_configure.log" "$LOG_DIR/device_check_build.log")
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_CUDA=ON \
     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DKVPOLICY_CUDA_ARCHITECTURES="$CUDA_ARCHS" \
     -DKVPOLICY_BUILD_TESTS=ON -DKVPOLICY_BUILD_BENCHMARKS=$bench 2>&1 | tee "$LOG_DIR/device_check_configure.log"
@@ -206,6 +224,7 @@ GPU_LOG=$LOG_DIR/device_check_gpu_tests.log
 LOGS+=("$GPU_LOG")
 : >"$GPU_LOG"
 mapfile -t cases < <("$TESTS" --list-test-names-only "[gpu]" | sed '/^$/d')
+((${#cases[@]} > 0)); record "list the [gpu] cases (${#cases[@]} found)" "$?"
 log "running ${#cases[@]} [gpu] cases, one process each"
 n_pass=0; n_fail=0; n_skip=0
 for c in "${cases[@]}"; do
@@ -230,6 +249,7 @@ log "[gpu] cases: $n_pass passed, $n_fail failed, $n_skip skipped (no usable GPU
 
 if [[ $MODE == build ]]; then
   log "running the CPU halves and host checks ([agreement]~[gpu])"
+  LOGS+=("$LOG_DIR/device_check_cpu_tests.log")
   "$TESTS" "[agreement]~[gpu]" 2>&1 | tee "$LOG_DIR/device_check_cpu_tests.log" | tail -3
   record "kvpolicy_tests [agreement]~[gpu]" "${PIPESTATUS[0]}"
 fi
@@ -269,8 +289,11 @@ if [[ ${SANITIZER_TIMEOUT:-240} -gt 0 ]] && command -v compute-sanitizer >/dev/n
       --print-limit 30 "$TESTS" "[gpu]" >"$LOG_DIR/device_check_$tool.log" 2>&1
     rc=$?
     tail -5 "$LOG_DIR/device_check_$tool.log"
-    [[ $rc -eq 124 ]] && log "$tool timed out (not a failure of the code; raise SANITIZER_TIMEOUT)"
-    record "compute-sanitizer $tool [gpu]" "$rc"
+    if [[ $rc -eq 124 ]]; then  # incomplete, not failed: its summary line says so
+      SUMMARY+=("TIME  compute-sanitizer $tool [gpu]: stopped at SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-240} s")
+    else
+      record "compute-sanitizer $tool [gpu]" "$rc"
+    fi
   done
 fi
 

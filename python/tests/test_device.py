@@ -397,9 +397,9 @@ def _torch_cuda():
     """torch when it is installed and sees a GPU, else None."""
     try:
         import torch
-    except ImportError:
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # not installed, or an install whose CUDA libraries do not load
         return None
-    return torch if torch.cuda.is_available() else None
 
 
 @pytest.mark.skipif(not _core.cuda_built or _torch_cuda() is None,

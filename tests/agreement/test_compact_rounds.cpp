@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <random>
-#include <set>
+#include <utility>
 #include <vector>
 
 #include <kvpolicy/cuda/compact_math.hpp>
@@ -32,6 +32,7 @@ std::int64_t emulate(std::vector<std::uint32_t>& data, const Layout& lay, int ro
   const auto n = static_cast<std::int64_t>(kept.size());
   const std::int64_t t0 = cm::first_moved(kept.data(), n);
   const std::int64_t units = (n - t0) * row_units;
+  const cm::UnitStep step = cm::unit_step(row_units);
   std::int64_t rounds = 0;
   for (std::int64_t u0 = 0; u0 < units; u0 += cm::cluster_round_units(), ++rounds) {
     std::vector<std::pair<std::int64_t, std::uint32_t>> stores;  // what the round will write
@@ -46,15 +47,17 @@ std::int64_t emulate(std::vector<std::uint32_t>& data, const Layout& lay, int ro
             const std::int64_t dst = (t0 + u.i) * lay.stride_token + u.c * lay.stride_col;
             stores.emplace_back(dst, data[static_cast<std::size_t>(src)]);
           }
-          cm::next_unit(u, row_units);
+          cm::next_unit(u, step, row_units);
         }
       }
     // The round covers units [u0, min(u0 + round, units)), each once.
     const std::int64_t want = std::min(cm::cluster_round_units(), units - u0);
     REQUIRE(static_cast<std::int64_t>(stores.size()) == want);
-    std::set<std::int64_t> dsts;
-    for (const auto& s : stores) dsts.insert(s.first);
-    REQUIRE(static_cast<std::int64_t>(dsts.size()) == want);
+    std::vector<char> seen(data.size(), 0);
+    for (const auto& s : stores) {
+      REQUIRE(seen[static_cast<std::size_t>(s.first)] == 0);
+      seen[static_cast<std::size_t>(s.first)] = 1;
+    }
     for (const auto& [dst, v] : stores) data[static_cast<std::size_t>(dst)] = v;  // after the barrier
   }
   return rounds;
@@ -105,9 +108,10 @@ TEST_CASE("the cluster compaction's division-free stepping equals the division",
   for (int row_units : {1, 2, 3, 7, 16, 100, 511, 512, 513, 1000, 4096, 32768}) {
     std::int64_t e = static_cast<std::int64_t>(rng() % 100000);
     cm::Unit u = cm::unit_at(e, row_units);
+    const cm::UnitStep step = cm::unit_step(row_units);
     for (int k = 0; k < 64; ++k) {
       e += cm::kClusterThreads;
-      cm::next_unit(u, row_units);
+      cm::next_unit(u, step, row_units);
       const cm::Unit want = cm::unit_at(e, row_units);
       REQUIRE(u.i == want.i);
       REQUIRE(u.c == want.c);

@@ -54,12 +54,21 @@ KVP_HD inline Unit unit_at(std::int64_t e, int row_units) {
   return u;
 }
 
-// The unit kClusterThreads further on, without a division: (i, c) advance by
-// (kClusterThreads / row_units, kClusterThreads % row_units) with one carry (c + the remainder
-// stays below 2 * row_units).
-KVP_HD inline void next_unit(Unit& u, int row_units) {
-  u.i += kClusterThreads / row_units;
-  u.c += kClusterThreads % row_units;
+// A thread's next unit is kClusterThreads further on: (i, c) advance by (di, dc) =
+// (kClusterThreads / row_units, kClusterThreads % row_units), computed once per row, with one
+// carry (c + dc stays below 2 * row_units), so the loop divides nowhere.
+struct UnitStep {
+  std::int64_t di = 0;
+  int dc = 0;
+};
+
+KVP_HD inline UnitStep unit_step(int row_units) {
+  return {kClusterThreads / row_units, kClusterThreads % row_units};
+}
+
+KVP_HD inline void next_unit(Unit& u, const UnitStep& s, int row_units) {
+  u.i += s.di;
+  u.c += s.dc;
   if (u.c >= row_units) u.c -= row_units, ++u.i;
 }
 
