@@ -449,6 +449,15 @@ int main(int argc, char** argv) {
     kvbench::results().clear();
   }
 
+  // The report tables are built from the CPU benchmarks' results; a filter that selected none
+  // of them (e.g. the CUDA ones, scripts/device_check.sh) gets no empty tables.
+  if (std::all_of(kvbench::runs().begin(), kvbench::runs().end(),
+                  [](const auto& run) { return run.empty(); })) {
+    std::printf("\nkvpolicy_bench: no CPU ratio benchmark was selected, so no report tables\n");
+    std::fflush(stdout);
+    benchmark::Shutdown();
+    return 0;
+  }
   const char* dts[2] = {"fp16", "fp32"};
   const std::int64_t ts[2] = {kvbench::kShortT, kvbench::kLongT};
   std::printf("\n## kvpolicy_bench report (OpenMP threads: %d for every op; %s; load average "
