@@ -141,9 +141,10 @@ bool clusters_available() {
     (void)cudaGetLastError();
     return false;
   }
+  if (major < 9) return false;
   cudaFuncAttributes fa{};
-  if (major < 9 || cudaFuncGetAttributes(&fa, compact_cluster_kernel<U>) != cudaSuccess) {
-    (void)cudaGetLastError();
+  if (cudaFuncGetAttributes(&fa, compact_cluster_kernel<U>) != cudaSuccess) {
+    (void)cudaGetLastError();  // no image of the kernel for this device: the one-block launch says so
     return false;
   }
   return fa.ptxVersion >= 90;

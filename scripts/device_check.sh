@@ -89,7 +89,8 @@ if [[ $MODE == bundle ]]; then
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
   launcher=()
   command -v ccache >/dev/null 2>&1 && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-  if [[ -e $PREBUILT && -n $(ls -A "$PREBUILT" 2>/dev/null) && ! -f $PREBUILT/bundle.tar.xz && ! -d $PREBUILT/bin ]]; then
+  if [[ -z $PREBUILT || ( -e $PREBUILT && -n $(ls -A "$PREBUILT" 2>/dev/null) && ! -f $PREBUILT/bundle.tar.xz
+        && ! -f $PREBUILT/bin/kvpolicy_tests ) ]]; then
     log "$PREBUILT exists and is not a bundle: refusing to replace it"; exit 2
   fi
   mkdir -p "$BUILD_DIR"

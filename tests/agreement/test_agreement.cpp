@@ -59,7 +59,7 @@ std::string describe(const Case& c) {
 // Below / equal / above T, odd head dims (no vector path), rows long enough for several shared
 // memory tiles on the device and, at T = 20000, for several rounds of the cluster compaction
 // (cuda/compact_math.hpp: 32768 copy units per round; 6686 kept rows of 128 fp32 are 214k 16-byte
-// units, 26 rounds of element units in the transposed layout), a row shorter than its protected
+// units, 27 rounds of element units in the transposed layout), a row shorter than its protected
 // tokens, empty rows.
 const std::vector<Case>& cases() {
   static const std::vector<Case> all = {
