@@ -30,6 +30,7 @@
 // code take the one-block kernel.
 #include <cooperative_groups.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "check.cuh"
@@ -135,19 +136,33 @@ __global__ void __launch_bounds__(compact_cluster_threads)
 // trap branch through the driver's JIT).
 template <class U>
 bool clusters_available() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  if (major < 9) return false;
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, compact_cluster_kernel<U>) != cudaSuccess) {
-    (void)cudaGetLastError();  // no image of the kernel for this device: the one-block launch says so
-    return false;
+  // The answer for (U, device) holds for the process: asked once per device (three runtime
+  // queries, kept off the per-event path). 0 unknown, 1 no, 2 yes; devices past 64 ask each time.
+  static std::atomic<signed char> known[64] = {};
+  if (dev < 64) {
+    const signed char k = known[dev].load(std::memory_order_relaxed);
+    if (k != 0) return k == 2;
   }
-  return fa.ptxVersion >= 90;
+  int major = 0;
+  bool yes = false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;  // not cached: a transient failure
+  }
+  if (major >= 9) {
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, compact_cluster_kernel<U>) != cudaSuccess)
+      (void)cudaGetLastError();  // no image of the kernel for this device: the one-block launch says so
+    else
+      yes = fa.ptxVersion >= 90;
+  }
+  if (dev < 64) known[dev].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
 }
 
 template <class U>
