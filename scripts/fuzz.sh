@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (fuzz/, clang with ASan + UBSan + libFuzzer) and runs each for a
-# while on a fresh copy of its seed corpus (fuzz/seeds/<target>/):
+# Builds the libFuzzer targets (fuzz/: a clang build of the project with KVPOLICY_SANITIZE and
+# KVPOLICY_FUZZ, ASan + UBSan + libFuzzer) and runs each for a while on a fresh copy of its seed
+# corpus (fuzz/seeds/<target>/):
 #   bash scripts/fuzz.sh [seconds] [target...]     # default: 30 s, every target
 # One summary line per target (runs, runs/s, coverage edges, features, corpus, result); exits
 # non-zero if a target crashed, leaked, hit a sanitizer report or a contract check (FINDING), or
 # timed out on one input. The input that did it is under $BUILD_DIR/artifacts/<target>/; run
 # the target on that file to reproduce.
-# Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz), KVPOLICY_JOBS (build jobs, and
+# Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz: configured here with the fuzz targets
+# and the library units they link, nothing else; a build directory that was configured with
+# KVPOLICY_FUZZ=ON is used as it is: scripts/test.sh passes its sanitizer build, which compiled
+# the targets already), KVPOLICY_JOBS (build jobs, and
 # targets run at once; default nproc), KVPOLICY_FUZZ_KEEP_CORPUS=1 (keep and grow
 # $BUILD_DIR/corpus/<target> between runs instead of starting from the seeds), CXX (default
 # clang++), CCACHE_DIR (default $HOME/.cache/ccache), ASAN_OPTIONS / UBSAN_OPTIONS (added to;
@@ -49,12 +53,32 @@ max_len() {
   esac
 }
 
-cmake_args=(-S fuzz -B "$BUILD_DIR" "-DCMAKE_CXX_COMPILER=$CXX_FUZZ")
-command -v ninja >/dev/null 2>&1 && cmake_args+=(-G Ninja)
-command -v ccache >/dev/null 2>&1 && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-log "configure: cmake ${cmake_args[*]}"
-mkdir -p "$BUILD_DIR"
-cmake "${cmake_args[@]}" >"$BUILD_DIR/configure.log" 2>&1 || { cat "$BUILD_DIR/configure.log"; exit 1; }
+# A build configured with the fuzz targets is used as it is. Any other folder at the default path
+# (e.g. one from before the targets became part of the project's build) is configured afresh.
+if [[ -f $BUILD_DIR/CMakeCache.txt ]] && ! grep -qx 'KVPOLICY_FUZZ:BOOL=ON' "$BUILD_DIR/CMakeCache.txt"; then
+  if [[ -n ${KVPOLICY_FUZZ_BUILD_DIR:-} ]]; then
+    log "$BUILD_DIR was not configured with -DKVPOLICY_FUZZ=ON (and KVPOLICY_SANITIZE=ON, clang)"
+    exit 2
+  fi
+  log "$BUILD_DIR is not a fuzz build: configuring it afresh"
+  rm -rf "$BUILD_DIR"
+fi
+if [[ ! -f $BUILD_DIR/CMakeCache.txt ]]; then
+  cc_fuzz=$CXX_FUZZ
+  [[ $cc_fuzz == *clang++* ]] && cc_fuzz=${cc_fuzz/clang++/clang}
+  # Only what the targets link: the engine, the C ABI, the Policy instances, the profile reader.
+  # -O1 with line tables, as the sanitizer build of scripts/test.sh.
+  cmake_args=(-S . -B "$BUILD_DIR" "-DCMAKE_CXX_COMPILER=$CXX_FUZZ" "-DCMAKE_C_COMPILER=$cc_fuzz"
+              -DKVPOLICY_SANITIZE=ON -DKVPOLICY_FUZZ=ON -DKVPOLICY_CUDA=OFF
+              -DKVPOLICY_BUILD_TESTS=OFF -DKVPOLICY_BUILD_BENCHMARKS=OFF
+              -DKVPOLICY_BUILD_EXAMPLES=OFF -DKVPOLICY_BUILD_CLI=OFF -DKVPOLICY_INSTALL=OFF
+              -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1")
+  command -v ninja >/dev/null 2>&1 && cmake_args+=(-G Ninja)
+  command -v ccache >/dev/null 2>&1 && cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  log "configure: cmake ${cmake_args[*]}"
+  mkdir -p "$BUILD_DIR"
+  cmake "${cmake_args[@]}" >"$BUILD_DIR/configure.log" 2>&1 || { cat "$BUILD_DIR/configure.log"; exit 1; }
+fi
 log "build: ${TARGETS[*]}"
 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
 
@@ -73,6 +97,11 @@ else
   log "LeakSanitizer does not work here (no ptrace?): leaks are NOT checked"
 fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=${leaks}"
+# One OpenMP thread, whatever a call asks for (OMP_THREAD_LIMIT caps num_threads clauses too, e.g.
+# the C ABI's params->threads): each target is one process on one core, its results and coverage
+# do not depend on scheduling, and libomp starts no worker threads, whose per-thread state it
+# allocates lazily and never frees (libFuzzer's per-input leak check reported it as a leak).
+export OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1
 
 # run_target T: one libFuzzer run; its summary line goes to $BUILD_DIR/T.result, and a line
 # starting with FAIL to $BUILD_DIR/T.failed.
@@ -88,9 +117,9 @@ run_target() {
   len=$(max_len "$t")
   ((len > 0)) && args+=(-max_len="$len")
   [[ -f fuzz/$t.dict ]] && args+=(-dict="fuzz/$t.dict")
-  log "=== $t: $BUILD_DIR/$t ${args[*]} $corpus"
+  log "=== $t: $BUILD_DIR/fuzz/$t ${args[*]} $corpus"
   local rc=0
-  "$BUILD_DIR/$t" "${args[@]}" "$corpus" >"$logf" 2>&1 || rc=$?
+  "$BUILD_DIR/fuzz/$t" "${args[@]}" "$corpus" >"$logf" 2>&1 || rc=$?
   local runs rate last cov ft corp result=PASS
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logf" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$logf" | tail -1)

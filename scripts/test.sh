@@ -10,11 +10,13 @@
 #   4. ASan + UBSan build (clang, RelWithDebInfo, CPU only, no C++ examples) in build-asan/ and
 #      the ctests except the slow, sanitizer-neutral ones (labels packaging, compile_fail)
 #   5. ThreadSanitizer (scripts/tsan.sh) and fuzzing, every libFuzzer target for 30 s
-#      (scripts/fuzz.sh, build-fuzz/); both need clang and are reported NOT RUN without it
+#      (scripts/fuzz.sh); both need clang and are reported NOT RUN without it. The fuzz targets
+#      are built by step 4 (KVPOLICY_FUZZ=ON: they link the sanitizer build's own engine and C
+#      ABI, compiled once for both), or in build-fuzz/ when the sanitizer build is not clang's
 # Build directories persist and ccache is used, so re-runs are incremental. Exits non-zero if
 # any step fails; the last line is a summary.
 # Environment: KVPOLICY_BUILD_DIR, KVPOLICY_ASAN_BUILD_DIR (build directories), KVPOLICY_JOBS
-# (default: nproc), KVPOLICY_ASAN_OPT_FLAGS (default "-O1 -g1 -DNDEBUG"), CXX_ASAN / CC_ASAN
+# (default: nproc), KVPOLICY_ASAN_OPT_FLAGS (default "-O1 -g1"), CXX_ASAN / CC_ASAN
 # (the sanitizer build's compilers, default clang++ / clang), CCACHE_DIR (default:
 # $HOME/.cache/ccache), KVPOLICY_FUZZ_SECONDS (per fuzz target, default 30).
 set -euo pipefail
@@ -195,13 +197,18 @@ export ASAN_OPTIONS="detect_leaks=${leaks}:check_initialization_order=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 
 # -O1 -g1 instead of RelWithDebInfo's -O2 -g: instrumented template-heavy code compiles about
-# 2.4x faster, and reports still carry function names and file:line.
-asan_opt=${KVPOLICY_ASAN_OPT_FLAGS:--O1 -g1 -DNDEBUG}
+# 2.4x faster, and reports still carry function names and file:line. No -DNDEBUG: Eigen's own
+# index and size assertions stay on under the sanitizers (and in the fuzz targets built here).
+asan_opt=${KVPOLICY_ASAN_OPT_FLAGS:--O1 -g1}
+# The fuzz targets (fuzz/) join the sanitizer build when it is clang's: they link its engine and C
+# ABI, which are then compiled once for the sanitizer tests and the fuzzers (step 5).
+asan_fuzz=OFF
+[[ $asan_cxx == *clang* ]] && asan_fuzz=ON
 asan_pid=""
 if stage asan-configure cmake -S . -B "$ASAN_DIR" "${common[@]}" -DKVPOLICY_CUDA=OFF \
      "-DCMAKE_CXX_COMPILER=$(command -v "$asan_cxx")" "-DCMAKE_C_COMPILER=$(command -v "$asan_cc")" \
      -DKVPOLICY_BUILD_EXAMPLES=OFF \
-     -DKVPOLICY_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+     -DKVPOLICY_SANITIZE=ON "-DKVPOLICY_FUZZ=${asan_fuzz}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
      "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=${asan_opt}" -DKVPOLICY_BUILD_BENCHMARKS=OFF; then
   log "=== asan-build (in the background, beside the Python tests): cmake --build $ASAN_DIR -j $JOBS"
   setsid -w cmake --build "$ASAN_DIR" -j "$JOBS" >"$LOG_DIR/asan-build.log" 2>&1 &
@@ -249,11 +256,12 @@ else
   not_run+=("tsan")
 fi
 
-# 5. Fuzzing: each libFuzzer target on a copy of its seeds (fuzz/seeds/), a clang build of the
-# fuzz targets' sources only, with ccache.
+# 5. Fuzzing: each libFuzzer target on a copy of its seeds (fuzz/seeds/), built by step 4 when the
+# sanitizer build has them (its engine and C ABI are the fuzzers'), else by fuzz.sh in build-fuzz/.
+fuzz_env=(CXX="${CXX_FUZZ:-clang++}")
+[[ $asan_fuzz == ON && -f $ASAN_DIR/CMakeCache.txt ]] && fuzz_env+=(KVPOLICY_FUZZ_BUILD_DIR="$ASAN_DIR")
 if command -v "${CXX_FUZZ:-clang++}" >/dev/null 2>&1; then
-  stage fuzz env CXX="${CXX_FUZZ:-clang++}" bash scripts/fuzz.sh "${KVPOLICY_FUZZ_SECONDS:-30}" ||
-    true
+  stage fuzz env "${fuzz_env[@]}" bash scripts/fuzz.sh "${KVPOLICY_FUZZ_SECONDS:-30}" || true
 else
   log "=== fuzz NOT RUN: ${CXX_FUZZ:-clang++} not found (scripts/fuzz.sh needs clang)"
   not_run+=("fuzz")
