@@ -132,9 +132,12 @@ stage() {
   return "$rc"
 }
 
-# 1. Release build, all tests.
+# 1. Release build, all tests. Position-independent static libraries (executables stay PIE, as
+# GCC builds them by default here): the Python module of step 2 links the engine, the Policy
+# instances and the profile reader as PIC, so their objects are then the same compilation as
+# here and ccache hands them over instead of compiling them again.
 if stage release-configure cmake -S . -B "$BUILD_DIR" "${common[@]}" "${cuda[@]}" \
-     -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_SANITIZE=OFF &&
+     -DCMAKE_BUILD_TYPE=Release -DKVPOLICY_SANITIZE=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON &&
    stage release-build cmake --build "$BUILD_DIR" -j "$JOBS"; then
   wait_torch
   stage release-ctest logged release-ctest ctest --test-dir "$BUILD_DIR" --output-on-failure \
@@ -145,10 +148,18 @@ fi
 wait_torch  # (when the release build failed)
 
 # 2. Python package: build the extension (build-python/, ccache) into .venv, which setup.sh made
-# with the build requirements. Its tests run in step 3, beside the sanitizer build.
+# with the build requirements. Its tests run in step 3, beside the sanitizer build. The build
+# folder sits at the same depth as step 1's (not pyproject's build-python/<wheel tag>) and uses
+# step 1's compiler (by the same path: ccache keys on it; left alone, scikit-build-core takes
+# Python's configured g++), so that with CCACHE_BASEDIR the library units both builds compile
+# alike are one ccache entry.
 py_ok=0
+py_cxx=()
+rel_cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null || true)
+[[ -n $rel_cxx ]] && py_cxx=("--config-settings=cmake.define.CMAKE_CXX_COMPILER=$rel_cxx")
 stage python-install env CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
   .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check \
+  --config-settings=build-dir=build-python "${py_cxx[@]}" \
   --config-settings=cmake.define.KVPOLICY_WERROR=ON . && py_ok=1
 
 # 3. Sanitizer build, compiled in the background (its output in a log, shown when it fails)
