@@ -18,6 +18,18 @@
 // inline: the runtime's weak default must be overridden.
 extern "C" const char* __ubsan_default_options() { return "print_stacktrace=1"; }
 
+// One OpenMP thread unless the environment says otherwise (scripts/fuzz.sh sets the same): the
+// library's OpenMP loops run on the calling thread, so results and coverage do not depend on
+// scheduling, and libomp starts no worker threads, whose state it allocates lazily and never
+// frees (libFuzzer's per-input leak check reports it). OMP_THREAD_LIMIT also caps num_threads
+// clauses, e.g. the C ABI's params->threads. libomp reads both when it first initializes, which
+// is after this: nothing calls OpenMP before the first input.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  setenv("OMP_NUM_THREADS", "1", 0);
+  setenv("OMP_THREAD_LIMIT", "1", 0);
+  return 0;
+}
+
 namespace kvp_fuzz {
 
 // A broken contract: prints the reason and aborts, which libFuzzer records as a crash with the

@@ -6,7 +6,7 @@
 # One summary line per target (runs, runs/s, coverage edges, features, corpus, result); exits
 # non-zero if a target crashed, leaked, hit a sanitizer report or a contract check (FINDING), or
 # timed out on one input. The input that did it is under $BUILD_DIR/artifacts/<target>/; run
-# the target on that file to reproduce.
+# the target ($BUILD_DIR/fuzz/<target>) on that file to reproduce.
 # Environment: KVPOLICY_FUZZ_BUILD_DIR (default build-fuzz: configured here with the fuzz targets
 # and the library units they link, nothing else; a build directory that was configured with
 # KVPOLICY_FUZZ=ON is used as it is: scripts/test.sh passes its sanitizer build, which compiled
@@ -37,7 +37,7 @@ for t in "${TARGETS[@]}"; do
   [[ " ${ALL_TARGETS[*]} " == *" $t "* ]] || { log "unknown target '$t' (${ALL_TARGETS[*]})"; exit 2; }
 done
 if ! command -v "$CXX_FUZZ" >/dev/null 2>&1; then
-  log "$CXX_FUZZ not found: libFuzzer needs clang (Debian: apt-get install clang libclang-rt-14-dev)"
+  log "$CXX_FUZZ not found: libFuzzer needs clang (Debian: apt-get install clang libclang-rt-14-dev libomp-14-dev)"
   exit 2
 fi
 
@@ -53,15 +53,24 @@ max_len() {
   esac
 }
 
-# A build configured with the fuzz targets is used as it is. Any other folder at the default path
-# (e.g. one from before the targets became part of the project's build) is configured afresh.
-if [[ -f $BUILD_DIR/CMakeCache.txt ]] && ! grep -qx 'KVPOLICY_FUZZ:BOOL=ON' "$BUILD_DIR/CMakeCache.txt"; then
+# A folder named by KVPOLICY_FUZZ_BUILD_DIR must have been configured with the fuzz targets, and is
+# used as it is. The default folder is configured afresh when it was not, or with another
+# compiler than $CXX_FUZZ (e.g. a build-fuzz/ from before the targets became part of the
+# project's build): its CMake cache goes, its corpus/ and artifacts/ stay.
+fuzz_configured() {
+  grep -qiE '^KVPOLICY_FUZZ:BOOL=(ON|1|TRUE|YES|Y)$' "$BUILD_DIR/CMakeCache.txt"
+}
+if [[ -f $BUILD_DIR/CMakeCache.txt ]]; then
   if [[ -n ${KVPOLICY_FUZZ_BUILD_DIR:-} ]]; then
-    log "$BUILD_DIR was not configured with -DKVPOLICY_FUZZ=ON (and KVPOLICY_SANITIZE=ON, clang)"
-    exit 2
+    if ! fuzz_configured; then
+      log "$BUILD_DIR was not configured with -DKVPOLICY_FUZZ=ON (and KVPOLICY_SANITIZE=ON, clang)"
+      exit 2
+    fi
+  elif ! fuzz_configured ||
+       ! grep -qx "CMAKE_CXX_COMPILER:[A-Z]*=$(command -v "$CXX_FUZZ")" "$BUILD_DIR/CMakeCache.txt"; then
+    log "$BUILD_DIR is not a fuzz build of $CXX_FUZZ: configuring it afresh (corpus/ and artifacts/ kept)"
+    rm -rf "$BUILD_DIR/CMakeCache.txt" "$BUILD_DIR/CMakeFiles"
   fi
-  log "$BUILD_DIR is not a fuzz build: configuring it afresh"
-  rm -rf "$BUILD_DIR"
 fi
 if [[ ! -f $BUILD_DIR/CMakeCache.txt ]]; then
   cc_fuzz=$CXX_FUZZ

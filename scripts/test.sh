@@ -267,8 +267,9 @@ else
   not_run+=("tsan")
 fi
 
-# 5. Fuzzing: each libFuzzer target on a copy of its seeds (fuzz/seeds/), built by step 4 when the
-# sanitizer build has them (its engine and C ABI are the fuzzers'), else by fuzz.sh in build-fuzz/.
+# 5. Fuzzing: each libFuzzer target on a copy of its seeds (fuzz/seeds/), built by the sanitizer
+# build (step 3) when it has them (its engine and C ABI are the fuzzers'), else by fuzz.sh in
+# build-fuzz/. Crash inputs: $ASAN_DIR/artifacts/<target>/ (or build-fuzz/artifacts/).
 fuzz_env=(CXX="${CXX_FUZZ:-clang++}")
 [[ $asan_fuzz == ON && -f $ASAN_DIR/CMakeCache.txt ]] && fuzz_env+=(KVPOLICY_FUZZ_BUILD_DIR="$ASAN_DIR")
 if command -v "${CXX_FUZZ:-clang++}" >/dev/null 2>&1; then
