@@ -173,33 +173,72 @@ struct SessionConfig {
   std::optional<Budget> decode_target;
 };
 
+namespace detail {
+// The checks of a SessionConfig that every session makes (kvpolicy::Session, cuda::Session);
+// `who` starts each message.
+inline void check_session_config(const Policy& policy, const SessionConfig& cfg, const char* who) {
+  KVP_REQUIRE(cfg.layers > 0 && cfg.kv_heads > 0 && cfg.head_dim > 0,
+              who, ": layers, kv_heads and head_dim must be positive (got ", cfg.layers,
+              ", ", cfg.kv_heads, ", ", cfg.head_dim, ")");
+  KVP_REQUIRE(cfg.q_heads > 0 && cfg.q_heads % cfg.kv_heads == 0, who, ": q_heads ",
+              cfg.q_heads, " is not a positive multiple of kv_heads ", cfg.kv_heads);
+  KVP_REQUIRE(cfg.initial_capacity > 0, who, ": initial_capacity must be positive");
+  KVP_REQUIRE(cfg.rope_inv_freq.empty() ||
+                  static_cast<std::int64_t>(cfg.rope_inv_freq.size()) * 2 == cfg.head_dim,
+              who, ": rope_inv_freq has ", cfg.rope_inv_freq.size(),
+              " frequencies; head_dim ", cfg.head_dim, " needs ", cfg.head_dim / 2);
+  for (float f : cfg.rope_inv_freq)
+    KVP_REQUIRE(std::isfinite(f) && f > 0, who, ": rope_inv_freq holds ", f,
+                "; frequencies must be finite and positive");
+
+  cfg.budget.validate();
+  KVP_REQUIRE(policy.accumulation() != GqaReduce::max, who, ": ", policy.scorer_name(),
+              " with reduce=max cannot be accumulated step by step; use mean or sum");
+  KVP_REQUIRE(cfg.record_queries >= 0, who, ": record_queries must be >= 0 (got ",
+              cfg.record_queries, ")");
+  KVP_REQUIRE(cfg.decode_interval >= 0, who, ": decode_interval must be >= 0 (got ",
+              cfg.decode_interval, "; 0 is the policy's default)");
+  if (cfg.decode_target) cfg.decode_target->validate();
+}
+
+// Per-head token counts of `b` for a layer of `heads` KV heads whose prompt has `prompt` tokens:
+// tokens(n) is n per head and total(n) splits n over the heads (Budget::resolve's rule); neither
+// is clamped to the prompt, so a budget above it lets the cache grow to it before evicting (a
+// clamped target could also fall below the tokens the policy protects, and every decode-time
+// compression would throw). ratio(r) is round(r * prompt) per head.
+inline std::vector<std::int64_t> head_budgets(const Budget& b, std::int64_t heads,
+                                              std::int64_t prompt) {
+  switch (b.kind()) {
+    case Budget::Kind::per_head:
+      return std::vector<std::int64_t>(static_cast<std::size_t>(heads), b.count());
+    case Budget::Kind::total: {
+      // Budget::resolve's split of n over the rows, without its clamp to heads * tokens (which
+      // would overflow for an n near INT64_MAX).
+      const std::int64_t n = b.count();
+      std::vector<std::int64_t> out(static_cast<std::size_t>(heads), n / heads);
+      for (std::int64_t r = 0; r < n % heads; ++r) ++out[static_cast<std::size_t>(r)];
+      return out;
+    }
+    case Budget::Kind::ratio:
+      break;
+  }
+  return b.resolve(1, heads, prompt);
+}
+
+// An accumulating scorer's per-KV-head accumulation (H2O): the sum over its query group, or
+// (mean, and when only recording) that sum divided by the group size.
+inline float acc_scale(const Policy& p, std::int64_t q_heads, std::int64_t kv_heads) {
+  return p.accumulation() == GqaReduce::sum ? 1.0f
+                                            : 1.0f / static_cast<float>(q_heads / kv_heads);
+}
+}  // namespace detail
+
 template <Element T>
 class Session {
  public:
   Session(Policy policy, SessionConfig cfg)
       : policy_(std::move(policy)), fixed_policy_(policy_.with_fixed_budgets()), cfg_(cfg) {
-    KVP_REQUIRE(cfg.layers > 0 && cfg.kv_heads > 0 && cfg.head_dim > 0,
-                "session: layers, kv_heads and head_dim must be positive (got ", cfg.layers,
-                ", ", cfg.kv_heads, ", ", cfg.head_dim, ")");
-    KVP_REQUIRE(cfg.q_heads > 0 && cfg.q_heads % cfg.kv_heads == 0, "session: q_heads ",
-                cfg.q_heads, " is not a positive multiple of kv_heads ", cfg.kv_heads);
-    KVP_REQUIRE(cfg.initial_capacity > 0, "session: initial_capacity must be positive");
-    KVP_REQUIRE(cfg.rope_inv_freq.empty() ||
-                    static_cast<std::int64_t>(cfg.rope_inv_freq.size()) * 2 == cfg.head_dim,
-                "session: rope_inv_freq has ", cfg.rope_inv_freq.size(),
-                " frequencies; head_dim ", cfg.head_dim, " needs ", cfg.head_dim / 2);
-    for (float f : cfg.rope_inv_freq)
-      KVP_REQUIRE(std::isfinite(f) && f > 0, "session: rope_inv_freq holds ", f,
-                  "; frequencies must be finite and positive");
-
-    cfg.budget.validate();
-    KVP_REQUIRE(policy_.accumulation() != GqaReduce::max, "session: ", policy_.scorer_name(),
-                " with reduce=max cannot be accumulated step by step; use mean or sum");
-    KVP_REQUIRE(cfg.record_queries >= 0, "session: record_queries must be >= 0 (got ",
-                cfg.record_queries, ")");
-    KVP_REQUIRE(cfg.decode_interval >= 0, "session: decode_interval must be >= 0 (got ",
-                cfg.decode_interval, "; 0 is the policy's default)");
-    if (cfg.decode_target) cfg.decode_target->validate();
+    detail::check_session_config(policy_, cfg, "session");
     check_quantizer(policy_, cfg_, "session");
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg.record_queries});
     // Each buffer's size is a product of these; one that overflows could never be allocated
@@ -741,28 +780,8 @@ class Session {
 
   static bool quantized(const Layer& L) { return !L.packed.empty(); }
 
-  // Per-head token counts of `b` for a layer whose prompt has `prompt` tokens: tokens(n) is n per
-  // head and total(n) splits n over the heads (Budget::resolve's rule); neither is clamped to
-  // the prompt, so a budget above it lets the cache grow to it before evicting (a clamped target
-  // could also fall below the tokens the policy protects, and every decode-time compression
-  // would throw). ratio(r) is round(r * prompt) per head.
   std::vector<std::int64_t> head_budgets(const Budget& b, std::int64_t prompt) const {
-    const std::int64_t H = cfg_.kv_heads;
-    switch (b.kind()) {
-      case Budget::Kind::per_head:
-        return std::vector<std::int64_t>(static_cast<std::size_t>(H), b.count());
-      case Budget::Kind::total: {
-        // Budget::resolve's split of n over H rows, without its clamp to H * tokens (which would
-        // overflow for an n near INT64_MAX).
-        const std::int64_t n = b.count();
-        std::vector<std::int64_t> out(static_cast<std::size_t>(H), n / H);
-        for (std::int64_t r = 0; r < n % H; ++r) ++out[static_cast<std::size_t>(r)];
-        return out;
-      }
-      case Budget::Kind::ratio:
-        break;
-    }
-    return b.resolve(1, H, prompt);
+    return detail::head_budgets(b, cfg_.kv_heads, prompt);
   }
 
   // What a quantizer stage requires of the session: a head_dim its format supports, and no
@@ -783,12 +802,8 @@ class Session {
   bool tracks_attention() const {
     return cfg_.record_attention || has(policy_.needs(), Needs::accumulated);
   }
-  // An accumulating scorer's per-KV-head accumulation (H2O): the sum over its query group, or
-  // (mean, and when only recording) that sum divided by the group size.
   float acc_scale(const Policy& p) const {
-    return p.accumulation() == GqaReduce::sum
-               ? 1.0f
-               : 1.0f / static_cast<float>(cfg_.q_heads / cfg_.kv_heads);
+    return detail::acc_scale(p, cfg_.q_heads, cfg_.kv_heads);
   }
 
   Layer& at(std::int64_t l) {

@@ -44,8 +44,8 @@
 //     expected) are refused under a shard of more than one rank. With adakv under a shard,
 //     plan() takes part in the agreement too (every rank calls plan() and select() alike), and
 //     its kept_capacity is every token (a rank's heads may gain budget from another rank's).
-//   - not on this path yet: a Session on the device; tensor parallelism for batches and paged
-//     caches.
+//   - the decode loop of a Session on the device: cuda/session.hpp (cuda::Session).
+//   - not on this path yet: tensor parallelism for batches and paged caches.
 //
 // Host synchronisation: one per event, the upload of the per-row budgets (computed on the host
 // from the shapes, then uploaded before the event's first kernel; it waits for the work already

@@ -1,0 +1,214 @@
+// cuda::Session (kvpolicy/cuda/session.hpp), the decode loop on a GPU.
+// CPU half: the per-thread arithmetic of its kernels (cuda/session_math.hpp: where an appended
+// element lands, where each slot of the query window comes from after a push, checked against a
+// deque through a sequence of pushes), and the constructor's refusals, which come before any
+// device call. [gpu] half: kvpolicy::Session and cuda::Session run the same prefill and decode
+// steps (append, attend, compress_if_due) side by side; after every step the lengths, the original
+// positions of every head's tokens and the stored keys must be identical, and the attention
+// outputs equal to fp32 rounding (max abs difference 1e-4 on O(1) values).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include <kvpolicy/cuda/session_math.hpp>
+#include <kvpolicy/kvpolicy.hpp>
+#if defined(KVPOLICY_WITH_CUDA)
+#include <kvpolicy/cuda/session.hpp>
+#endif
+
+#include "agreement/gpu_util.hpp"
+#include "common/error_of.hpp"
+#include "common/random.hpp"
+
+namespace kvt_session_cuda_session {
+
+using namespace kvpolicy;
+namespace sm = kvpolicy::cuda::session_math;
+using Catch::Matchers::Contains;
+using kvtest::error_of;
+
+TEST_CASE("cuda session math: an appended element lands after its head's rows") {
+  // 3 new tokens, dim 4, capacity 10, the head holding 5 rows: element (head 1, token 2, dim 1)
+  // is e = (1 * 3 + 2) * 4 + 1 = 21 and lands in row 1 * 10 + 5 + 2 = 17.
+  const sm::AppendSlot s = sm::append_slot(21, 3, 4, 10, 5);
+  CHECK(s.head == 1);
+  CHECK(s.token == 2);
+  CHECK(s.dim == 1);
+  CHECK(s.row == 17);
+  const sm::AppendSlot first = sm::append_slot(0, 3, 4, 10, 0);
+  CHECK((first.head == 0 && first.token == 0 && first.dim == 0 && first.row == 0));
+  const sm::AppendSlot last = sm::append_slot(2 * 3 * 4 - 1, 3, 4, 10, 7);  // head 1, token 2, dim 3
+  CHECK((last.head == 1 && last.token == 2 && last.dim == 3 && last.row == 19));
+}
+
+TEST_CASE("cuda session math: a chunk of queries sees the cache up to its last query") {
+  // 10 new queries of a head holding 25 tokens (positions 15..24), in chunks of 4: [0, 4) ends at
+  // position 18 (19 tokens visible to its last query), [4, 8) at 22, [8, 10) at 24.
+  CHECK(sm::chunk_horizon(25, 10, 4, 0) == 19);
+  CHECK(sm::chunk_horizon(25, 10, 4, 1) == 23);
+  CHECK(sm::chunk_horizon(25, 10, 4, 2) == 25);
+  // Query i of a chunk of mc sees horizon - mc + i + 1 keys, the unchunked block's count for
+  // query c * m + i (decode_math's visible_keys rule), for every chunk and query.
+  for (std::int64_t n : {1, 7, 8, 9, 33})
+    for (std::int64_t m : {1, 3, 8})
+      for (std::int64_t c = 0; c * m < n; ++c) {
+        const std::int64_t mc = std::min(m, n - c * m), hz = sm::chunk_horizon(40, n, m, c);
+        for (std::int64_t i = 0; i < mc; ++i)
+          CHECK(hz - mc + i + 1 == 40 - n + (c * m + i) + 1);
+      }
+}
+
+TEST_CASE("cuda session math: window pushes keep the newest queries, right-aligned, in order") {
+  constexpr std::int64_t W = 5;
+  std::vector<int> buf(W, -1);  // one query head, dim 1: a query is its id
+  std::deque<int> want;
+  std::int64_t held = 0;
+  int next_id = 0;
+  for (const std::int64_t n : {2, 1, 7, 3, 5, 1, 4}) {
+    std::vector<int> fresh(static_cast<std::size_t>(n));
+    for (auto& x : fresh) x = next_id++;
+    std::vector<int> out(W);
+    for (std::int64_t i = 0; i < W; ++i) {
+      const sm::WindowSource s = sm::window_source(i, W, n);
+      if (s.fresh) {
+        REQUIRE((s.fresh_index >= 0 && s.fresh_index < n));
+        out[static_cast<std::size_t>(i)] = fresh[static_cast<std::size_t>(s.fresh_index)];
+      } else {
+        REQUIRE((s.old_slot > i && s.old_slot < W));
+        out[static_cast<std::size_t>(i)] = buf[static_cast<std::size_t>(s.old_slot)];
+      }
+    }
+    buf = out;
+    for (int x : fresh) want.push_back(x);
+    while (static_cast<std::int64_t>(want.size()) > W) want.pop_front();
+    held = sm::window_held(held, W, n);
+    REQUIRE(held == static_cast<std::int64_t>(want.size()));
+    for (std::int64_t j = 0; j < held; ++j)
+      CHECK(buf[static_cast<std::size_t>(W - held + j)] == want[static_cast<std::size_t>(j)]);
+  }
+  CHECK(held == W);
+}
+
+#if defined(KVPOLICY_WITH_CUDA)
+
+namespace {
+
+SessionConfig config(Budget budget, std::int64_t head_dim = 64, std::int64_t interval = 0) {
+  SessionConfig c;
+  c.layers = 2;
+  c.kv_heads = 2;
+  c.q_heads = 4;
+  c.head_dim = head_dim;
+  c.budget = budget;
+  c.initial_capacity = 16;  // below the prompt: the first append grows the storage
+  c.decode_interval = interval;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("cuda session: refuses what it does not run, before touching a device") {
+  const SessionConfig c = config(Budget::ratio(0.5));
+  auto make = [&](const char* spec, SessionConfig cfg) {
+    return [spec, cfg] { (void)cuda::Session<float>(Policy(spec), cfg); };
+  };
+  CHECK_THAT(error_of(make("snapkv | semantic", c)), Contains("merger stage"));
+  CHECK_THAT(error_of(make("snapkv | int4", c)), Contains("quantizer stage (int4)"));
+  CHECK_THAT(error_of(make("kvzip", c)), Contains("context-reconstruction pass"));
+  CHECK_THAT(error_of(make("h2o(reduce=max)", c)), Contains("reduce=max"));
+  CHECK_THAT(error_of(make("snapkv", config(Budget::ratio(0.5), 48))),
+             Contains("head_dim 48 (the device attention supports 64, 128 and 256)"));
+  SessionConfig bad = c;
+  bad.q_heads = 3;
+  CHECK_THAT(error_of(make("snapkv", bad)), Contains("cuda::Session: q_heads 3"));
+}
+
+namespace {
+
+// One sequence through both sessions: a prompt of `prompt` tokens, then `steps` decode tokens;
+// after each compress_if_due the two must hold the same tokens.
+template <class T>
+void run_both(const std::string& spec, const SessionConfig& cfg, std::int64_t prompt,
+              std::int64_t steps, std::uint64_t seed) {
+  INFO("policy " << spec);
+  const Policy policy(spec);
+  Session<T> host(policy, cfg);
+  cuda::Session<T> dev(policy, cfg);
+  const std::int64_t H = cfg.kv_heads, Hq = cfg.q_heads, d = cfg.head_dim;
+  kvtest::Rng rng(seed);
+  std::int64_t step = 0;
+  auto feed = [&](std::int64_t n) {
+    for (std::int64_t l = 0; l < cfg.layers; ++l) {
+      INFO("step " << step << ", layer " << l);
+      const std::vector<T> k = rng.normals<T>(H * n * d), v = rng.normals<T>(H * n * d),
+                           q = rng.normals<T>(Hq * n * d);
+      const auto kh = KVView<const T>::hnd(k.data(), 1, H, n, d);
+      const auto vh = KVView<const T>::hnd(v.data(), 1, H, n, d);
+      const auto qh = KVView<const T>::hnd(q.data(), 1, Hq, n, d);
+      const auto kd_buf = kvtest::upload(k), vd_buf = kvtest::upload(v), qd_buf = kvtest::upload(q);
+      const auto kd = KVView<const T>::hnd(kd_buf.template as<const T>(), 1, H, n, d);
+      const auto vd = KVView<const T>::hnd(vd_buf.template as<const T>(), 1, H, n, d);
+      const auto qd = KVView<const T>::hnd(qd_buf.template as<const T>(), 1, Hq, n, d);
+      host.append(l, kh, vh, qh);
+      dev.append(l, kd, vd, qd);
+      std::vector<float> out_host(static_cast<std::size_t>(Hq * n * d));
+      host.attend(l, qh, out_host.data());
+      cuda::DeviceBuffer out_dev(out_host.size() * sizeof(float));
+      dev.attend(l, qd, out_dev.as<float>());
+      const std::vector<float> got = kvtest::download<float>(out_dev, out_host.size());
+      double worst = 0;
+      for (std::size_t i = 0; i < got.size(); ++i)
+        worst = std::max(worst, std::abs(static_cast<double>(got[i]) - out_host[i]));
+      CHECK(worst <= 1e-4);
+      const bool c_host = host.compress_if_due(l);
+      const bool c_dev = dev.compress_if_due(l);
+      REQUIRE(c_host == c_dev);
+      const auto lh = host.lengths(l), ld = dev.lengths(l);
+      REQUIRE(std::vector<std::int64_t>(lh.begin(), lh.end()) ==
+              std::vector<std::int64_t>(ld.begin(), ld.end()));
+      const KVView<const T> keys = dev.keys(l);
+      for (std::int64_t h = 0; h < H; ++h) {
+        INFO("head " << h);
+        const auto ph = host.positions(l, h);
+        CHECK(std::vector<std::int32_t>(ph.begin(), ph.end()) == dev.positions(l, h));
+        const std::int64_t len = lh[static_cast<std::size_t>(h)];
+        std::vector<T> rows(static_cast<std::size_t>(len * d));
+        cuda::copy_to_host(rows.data(), keys.row(0, h, 0), rows.size() * sizeof(T));
+        const KVView<const T> hk = host.keys(l);
+        bool same = true;
+        for (std::int64_t t = 0; t < len; ++t)
+          for (std::int64_t i = 0; i < d; ++i)
+            same = same && to_float(rows[static_cast<std::size_t>(t * d + i)]) ==
+                               to_float(hk.at(0, h, t, i));
+        CHECK(same);
+      }
+    }
+    ++step;
+  };
+  feed(prompt);
+  for (std::int64_t s = 0; s < steps; ++s) feed(1);
+  CHECK(host.take_warning().empty() == dev.take_warning().empty());
+}
+
+}  // namespace
+
+TEST_CASE("cuda session: the decode loop keeps what kvpolicy::Session keeps [gpu]", "[gpu]") {
+  if (!kvtest::gpu_present()) return;
+  // Per-layer events with uniform budgets, per-head events after adakv / ams, decode-time
+  // compression every token (h2o) and every 4 tokens (snapkv with an interval).
+  for (const char* spec : {"snapkv(window=8)", "knorm", "streaming", "tova", "keydiff",
+                           "snapkv(window=8) | pyramid", "snapkv(window=8) | adakv"})
+    run_both<float>(spec, config(Budget::ratio(0.5)), 61, 6, 11);
+  run_both<float>("snapkv(window=8)", config(Budget::ratio(0.4), 64, 4), 50, 13, 12);
+  run_both<float>("snapkv(window=8) | adakv", config(Budget::ratio(0.4), 128, 3), 40, 10, 13);
+  run_both<float>("h2o", config(Budget::ratio(0.5)), 45, 10, 14);
+  run_both<half>("snapkv(window=8)", config(Budget::ratio(0.5), 64, 5), 70, 11, 15);
+}
+
+#endif  // KVPOLICY_WITH_CUDA
+
+}  // namespace kvt_session_cuda_session
