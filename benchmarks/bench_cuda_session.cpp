@@ -5,10 +5,13 @@
 // its budget at every step: one selection and compaction per layer per token), in the same run.
 // Manual time: snapkv's step. Counters: full_us, snapkv_us, h2o_us, snapkv_speedup (full /
 // snapkv), h2o_speedup (full / h2o). Host work and synchronisations are inside the step times,
-// as an engine would see them.
+// as an engine would see them. For scale, attn_full_us / attn_20_us: one layer's decode
+// attention alone (cuda::attention, CUDA events, mean of 100 back-to-back launches) over the
+// full 8K cache and over 20% of it: the kernel time a step spends per layer.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -62,6 +65,29 @@ double decode_step_seconds(const std::string& spec, Budget budget, cudaStream_t 
   return dt.count() / kSteps;
 }
 
+// Mean microseconds of one layer's decode attention over `tokens` keys of the fp16 cache.
+double attention_us(std::int64_t tokens, cudaStream_t stream) {
+  const auto kv = kvbench::random_values<half>(static_cast<std::size_t>(kHkv * tokens * kD), 3, 1.f);
+  const auto q = kvbench::random_values<half>(static_cast<std::size_t>(kHq * kD), 4, 1.f);
+  const std::vector<std::int64_t> lengths(kHkv, tokens);
+  const cuda::DeviceBuffer dk = kvbench::upload(kv), dq = kvbench::upload(q),
+                           dl = kvbench::upload(lengths), out(static_cast<std::size_t>(kHq * kD) * 4);
+  const auto keys = KVView<const half>::hnd(dk.as<const half>(), 1, kHkv, tokens, kD);
+  const auto queries = KVView<const half>::hnd(dq.as<const half>(), 1, kHq, 1, kD);
+  cuda::DecodeArgs a;
+  a.lengths = dl.as<const std::int64_t>();
+  const cuda::DeviceBuffer ws(std::max<std::size_t>(cuda::attention_workspace_bytes(keys, keys, queries, a), 256));
+  const cuda_backend be{stream, ws.data(), ws.bytes()};
+  cuda::attention(be, keys, keys, queries, a, out.as<float>());  // warm up
+  kvbench::Events ev(2);
+  constexpr int kReps = 100;
+  cudaEventRecord(ev.e[0], stream);
+  for (int i = 0; i < kReps; ++i) cuda::attention(be, keys, keys, queries, a, out.as<float>());
+  cudaEventRecord(ev.e[1], stream);
+  cudaEventSynchronize(ev.e[1]);
+  return ev.ms(0, 1) * 1e3 / kReps;
+}
+
 void BM_cuda_session_decode_8k(benchmark::State& state) {
   if (kvbench::skip_without_gpu(state)) return;
   cudaStream_t stream;
@@ -78,6 +104,8 @@ void BM_cuda_session_decode_8k(benchmark::State& state) {
   state.counters["h2o_us"] = h2o * 1e6;
   state.counters["snapkv_speedup"] = full / snap;
   state.counters["h2o_speedup"] = full / h2o;
+  state.counters["attn_full_us"] = attention_us(kPrompt, stream);
+  state.counters["attn_20_us"] = attention_us(kPrompt / 5, stream);
   cudaStreamDestroy(stream);
 }
 

@@ -225,6 +225,24 @@ inline std::vector<std::int64_t> head_budgets(const Budget& b, std::int64_t head
   return b.resolve(1, heads, prompt);
 }
 
+// Tokens between decode-time compressions (0: none); see SessionConfig::decode_interval.
+inline std::int64_t decode_interval(const Policy& p, const SessionConfig& c) {
+  if (c.decode_interval > 0) return c.decode_interval;
+  return p.decode_time() ? 1 : 0;
+}
+
+// Whether a layer with this schedule and these per-head lengths compresses now: its first
+// compression once it holds a prefill, then every decode_interval tokens while a head is longer
+// than its target (the decode targets replace the prefill budgets at the first check).
+inline bool compression_due(CompressionSchedule& schedule, std::span<const std::int64_t> lengths,
+                            const Policy& p, const SessionConfig& c) {
+  if (!schedule.started()) return lengths[0] != 0;  // no prefill yet: nothing to fix budgets from
+  return schedule.due(decode_interval(p, c), lengths, [&](std::int64_t prompt) {
+    return c.decode_target ? std::optional(head_budgets(*c.decode_target, c.kv_heads, prompt))
+                           : std::nullopt;
+  });
+}
+
 // An accumulating scorer's per-KV-head accumulation (H2O): the sum over its query group, or
 // (mean, and when only recording) that sum divided by the group size.
 inline float acc_scale(const Policy& p, std::int64_t q_heads, std::int64_t kv_heads) {
@@ -491,25 +509,13 @@ class Session {
   // (see SessionConfig). Returns true if it compacted.
   bool compress_if_due(std::int64_t layer) {
     Layer& L = at(layer);
-    if (!L.schedule.started()) {
-      if (L.lengths[0] == 0) return false;  // no prefill yet: nothing to fix the budgets from
-      compress(layer);
-      return true;
-    }
-    const bool due = L.schedule.due(decode_interval(), L.lengths, [&](std::int64_t prompt) {
-      return cfg_.decode_target
-                 ? std::optional(head_budgets(*cfg_.decode_target, prompt))
-                 : std::nullopt;
-    });
+    const bool due = detail::compression_due(L.schedule, L.lengths, policy_, cfg_);
     if (due) compress(layer);
     return due;
   }
 
   // Tokens between decode-time compressions (0: none); see SessionConfig::decode_interval.
-  std::int64_t decode_interval() const {
-    if (cfg_.decode_interval > 0) return cfg_.decode_interval;
-    return policy_.decode_time() ? 1 : 0;
-  }
+  std::int64_t decode_interval() const { return detail::decode_interval(policy_, cfg_); }
 
   // Compresses `layer` now. The first call fixes the per-head budgets from the configured Budget
   // and the current length; later calls compress back to them.

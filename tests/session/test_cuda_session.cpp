@@ -4,7 +4,9 @@
 // deque through a sequence of pushes), and the constructor's refusals, which come before any
 // device call. [gpu] half: kvpolicy::Session and cuda::Session run the same prefill and decode
 // steps (append, attend, compress_if_due) side by side; after every step the lengths, the original
-// positions of every head's tokens and the stored keys must be identical, and the attention
+// positions of every head's tokens, the stored keys and values and the log counts (mergers) must
+// be identical (merged rows: to 1e-5, since the scores that weight them are equal to fp32
+// rounding), and the attention
 // outputs equal to fp32 rounding (max abs difference 1e-4 on O(1) values).
 #include <catch2/catch.hpp>
 
@@ -116,7 +118,8 @@ TEST_CASE("cuda session: refuses what it does not run, before touching a device"
   auto make = [&](const char* spec, SessionConfig cfg) {
     return [spec, cfg] { (void)cuda::Session<float>(Policy(spec), cfg); };
   };
-  CHECK_THAT(error_of(make("snapkv | semantic", c)), Contains("merger stage"));
+  CHECK_THAT(error_of(make("snapkv | nearest", c)),
+             Contains("merger 'nearest' has no device kernel (device mergers: semantic)"));
   CHECK_THAT(error_of(make("snapkv | int4", c)), Contains("quantizer stage (int4)"));
   CHECK_THAT(error_of(make("kvzip", c)), Contains("context-reconstruction pass"));
   CHECK_THAT(error_of(make("h2o(reduce=max)", c)), Contains("reduce=max"));
@@ -125,15 +128,26 @@ TEST_CASE("cuda session: refuses what it does not run, before touching a device"
   SessionConfig bad = c;
   bad.q_heads = 3;
   CHECK_THAT(error_of(make("snapkv", bad)), Contains("cuda::Session: q_heads 3"));
+  // 64 query heads per KV head at head_dim 128: one launch of the device attention holds 58
+  // query rows in 99 KB of shared memory (2 * 58 * 128 + 2 * 32 * 128 + 32 + 58 * 32 + 4 * 58 +
+  // 32 = 25,192 floats; 59 rows need 25,484 > 101,376 / 4 = 25,344).
+  SessionConfig mqa = config(Budget::ratio(0.5), 128);
+  mqa.kv_heads = 1;
+  mqa.q_heads = 64;
+  CHECK_THAT(error_of(make("snapkv", mqa)),
+             Contains("64 query heads per KV head (q_heads 64, kv_heads 1) at head_dim 128 "
+                      "exceed the 58 query rows"));
 }
 
 namespace {
 
 // One sequence through both sessions: a prompt of `prompt` tokens, then `steps` decode tokens;
 // after each compress_if_due the two must hold the same tokens.
+// shrink: both give back their free storage after the prefill compression (shrink_to_fit), so
+// that the decode steps grow it again with heads of different lengths.
 template <class T>
 void run_both(const std::string& spec, const SessionConfig& cfg, std::int64_t prompt,
-              std::int64_t steps, std::uint64_t seed) {
+              std::int64_t steps, std::uint64_t seed, bool shrink = false) {
   INFO("policy " << spec);
   const Policy policy(spec);
   Session<T> host(policy, cfg);
@@ -141,6 +155,7 @@ void run_both(const std::string& spec, const SessionConfig& cfg, std::int64_t pr
   const std::int64_t H = cfg.kv_heads, Hq = cfg.q_heads, d = cfg.head_dim;
   kvtest::Rng rng(seed);
   std::int64_t step = 0;
+  bool merged = false;  // some row stands for more than one token
   auto feed = [&](std::int64_t n) {
     for (std::int64_t l = 0; l < cfg.layers; ++l) {
       INFO("step " << step << ", layer " << l);
@@ -170,7 +185,7 @@ void run_both(const std::string& spec, const SessionConfig& cfg, std::int64_t pr
       const auto lh = host.lengths(l), ld = dev.lengths(l);
       REQUIRE(std::vector<std::int64_t>(lh.begin(), lh.end()) ==
               std::vector<std::int64_t>(ld.begin(), ld.end()));
-      const KVView<const T> keys = dev.keys(l);
+      const KVView<const T> keys = dev.keys(l), values = dev.values(l);
       for (std::int64_t h = 0; h < H; ++h) {
         INFO("head " << h);
         const auto ph = host.positions(l, h);
@@ -178,20 +193,54 @@ void run_both(const std::string& spec, const SessionConfig& cfg, std::int64_t pr
         const std::int64_t len = lh[static_cast<std::size_t>(h)];
         std::vector<T> rows(static_cast<std::size_t>(len * d));
         cuda::copy_to_host(rows.data(), keys.row(0, h, 0), rows.size() * sizeof(T));
-        const KVView<const T> hk = host.keys(l);
-        bool same = true;
+        std::vector<T> vrows(rows.size());
+        cuda::copy_to_host(vrows.data(), values.row(0, h, 0), vrows.size() * sizeof(T));
+        const KVView<const T> hk = host.keys(l), hv = host.values(l);
+        double kv_diff = 0;
         for (std::int64_t t = 0; t < len; ++t)
-          for (std::int64_t i = 0; i < d; ++i)
-            same = same && to_float(rows[static_cast<std::size_t>(t * d + i)]) ==
-                               to_float(hk.at(0, h, t, i));
-        CHECK(same);
+          for (std::int64_t i = 0; i < d; ++i) {
+            const auto e = static_cast<std::size_t>(t * d + i);
+            kv_diff = std::max({kv_diff,
+                                std::abs(static_cast<double>(to_float(rows[e])) - to_float(hk.at(0, h, t, i))),
+                                std::abs(static_cast<double>(to_float(vrows[e])) - to_float(hv.at(0, h, t, i)))});
+          }
+        // Kept rows are moved bytes: identical. A merged row is a score-weighted mean, and the
+        // device's scores equal the CPU's to fp32 rounding (~1e-7 relative), so merged rows may
+        // differ by that much (values here are O(1)).
+        CHECK(kv_diff <= (policy.merger() ? 1e-5 : 0.0));
+        if (policy.decode_time()) {  // H2O sums: fp32 sums in another order
+          const auto ah = host.accumulated(l, h);
+          const std::vector<float> ad = dev.accumulated(l, h);
+          REQUIRE(ad.size() == ah.size());
+          double err = 0, top = 0;
+          for (std::size_t i = 0; i < ad.size(); ++i) {
+            err = std::max(err, std::abs(static_cast<double>(ad[i]) - ah[i]));
+            top = std::max(top, std::abs(static_cast<double>(ah[i])));
+          }
+          CHECK(err <= 1e-5 * std::max(top, 1.0));
+        }
+        if (policy.merger()) {
+          const auto ch = host.log_counts(l, h);
+          CHECK(std::vector<float>(ch.begin(), ch.end()) == dev.log_counts(l, h));
+          merged = merged || std::any_of(ch.begin(), ch.end(), [](float x) { return x > 0; });
+        } else {
+          CHECK(dev.log_counts(l, h).empty());
+        }
       }
     }
     ++step;
   };
   feed(prompt);
+  if (shrink) {
+    host.shrink_to_fit();
+    dev.shrink_to_fit();
+    for (std::int64_t l = 0; l < cfg.layers; ++l) CHECK(dev.capacity(l) == host.capacity(l));
+  }
   for (std::int64_t s = 0; s < steps; ++s) feed(1);
+  if (shrink)  // the decode steps grew the storage again
+    for (std::int64_t l = 0; l < cfg.layers; ++l) CHECK(dev.capacity(l) == host.capacity(l));
   CHECK(host.take_warning().empty() == dev.take_warning().empty());
+  CHECK(merged == policy.merger().has_value());  // a merger case that merged nothing proves little
 }
 
 }  // namespace
@@ -201,11 +250,21 @@ TEST_CASE("cuda session: the decode loop keeps what kvpolicy::Session keeps [gpu
   // Per-layer events with uniform budgets, per-head events after adakv / ams, decode-time
   // compression every token (h2o) and every 4 tokens (snapkv with an interval).
   for (const char* spec : {"snapkv(window=8)", "knorm", "streaming", "tova", "keydiff",
-                           "snapkv(window=8) | pyramid", "snapkv(window=8) | adakv"})
+                           "snapkv(window=8) | pyramid", "snapkv(window=8) | adakv",
+                           "snapkv(window=8) | ams"})
     run_both<float>(spec, config(Budget::ratio(0.5)), 61, 6, 11);
   run_both<float>("snapkv(window=8)", config(Budget::ratio(0.4), 64, 4), 50, 13, 12);
   run_both<float>("snapkv(window=8) | adakv", config(Budget::ratio(0.4), 128, 3), 40, 10, 13);
+  run_both<float>("snapkv(window=8) | adakv", config(Budget::ratio(0.3), 64, 2), 60, 12, 19,
+                  /*shrink=*/true);
+  run_both<half>("h2o", config(Budget::ratio(0.4), 256), 40, 8, 20, /*shrink=*/true);
   run_both<float>("h2o", config(Budget::ratio(0.5)), 45, 10, 14);
+  // The semantic merger folds evicted rows into kept ones (identical clusters and log counts),
+  // and attention reads the log counts; per layer, per head (adakv), and at decode time.
+  run_both<float>("snapkv(window=8) | semantic(chunk=8,tau=0)", config(Budget::ratio(0.4)), 64, 6, 16);
+  run_both<float>("snapkv(window=8) | adakv | semantic(tau=-0.1)", config(Budget::ratio(0.4), 64, 3),
+                  50, 9, 17);
+  run_both<half>("h2o | semantic(chunk=16,tau=0)", config(Budget::ratio(0.5)), 48, 8, 18);
   run_both<half>("snapkv(window=8)", config(Budget::ratio(0.5), 64, 5), 70, 11, 15);
 }
 

@@ -91,6 +91,9 @@ struct PolicyEvent {
   Protect protect;      // the tokens the selection protected (after fitting a small budget)
   bool evicts = false;  // false: every row kept every token (nothing was scored)
   std::string warning;  // as Selection::warning() on the CPU path
+  // The scores the selection ranked (after the allocators, as Policy::select's `scores` on the
+  // CPU path), in the workspace: valid until the next call that uses it. What a merger reads.
+  ScoreView scores;
 };
 
 // A scratch region of the caller's workspace handed to one kernel.
@@ -585,7 +588,9 @@ PolicyEvent select(const Dev& dev, void* workspace, std::size_t workspace_bytes,
     }
   }
   dev.select(scores, dev_budgets, s.event.protect, out, scratch);
-  return s.event;
+  PolicyEvent e = s.event;
+  e.scores = scores;
+  return e;
 }
 
 template <class Dev, Element T>

@@ -18,24 +18,38 @@
 // so a near-tie can fall the other way.
 //
 // What it runs: the scorer -> allocators -> selection chain of cuda::select (cuda/policy.hpp:
-// every device scorer but kvzip, every allocator it runs), then the compaction of K, V and every
-// per-token array (original positions, H2O sums and counts, AMS credit) with the same selection;
-// attend() is cuda::attention (head_dim 64, 128 or 256) and accumulates the H2O statistics.
-// Layers with heads of different lengths, or fixed per-head budgets that differ (after adakv or
-// ams), compress head by head, as on the CPU. Not on the device yet: merger and quantizer stages,
-// kvzip's reconstruction pass, fork(), delimiters; the constructor refuses a policy that needs
-// one, naming it.
+// every device scorer but kvzip, every allocator it runs), the semantic merger (cuda/merge.hpp,
+// bit-identical to the CPU's for the same scores; the device's scores equal the CPU's to fp32
+// rounding, so the importance-weighted means of merged rows do too; it reads the event's scores
+// where select left them, and every row
+// carries log(count), which attend() adds to its logit), then the compaction of K, V and every
+// per-token array (original positions, H2O sums and counts, AMS credit, log counts) with the same
+// selection; attend() is cuda::attention (head_dim 64, 128 or 256) and accumulates the H2O
+// statistics. Layers with heads of different lengths, or fixed per-head budgets that differ
+// (after adakv or ams), compress head by head, as on the CPU; with a merger each head's merge
+// follows its selection (the next selection reuses the workspace). Every event is planned, with
+// the selection's own checks, before the first one runs, so only a CUDA error can stop a
+// compression part-way; it then leaves earlier heads merged, or their AMS credit advanced, but
+// nothing compacted. Refused by the constructor, by name: quantizer stages, the nearest merger
+// and kvzip (its reconstruction pass), which have no device path here yet. Not provided:
+// fork(), delimiters (semantic cuts fixed chunks).
 //
-// Host synchronisation, and why:
-//   - compress(): the chain's one upload of the per-row budgets (cuda/policy.hpp), then one
-//     download of the selection's row offsets (8 * (rows + 1) bytes) after the compaction: the
-//     host keeps every head's length, which decides the next event's shapes and whether it is
-//     due. With per-head events, one upload per head. A layer that is not due costs nothing.
-//   - growing a layer's storage (append() past its capacity; reserve()): cudaMalloc, the copy of
-//     the held rows, and a stream synchronisation before the old buffers are freed. reserve()
-//     the longest a layer will get (decode targets + interval) to keep the decode loop free of
-//     them. The shared workspace grows the same way when a larger event needs more.
-//   - append() and attend() are asynchronous: lengths are double-buffered on the device.
+// Host synchronisation, and why (each is a blocking copy or a stream synchronisation):
+//   - compress(): the chain's upload of the per-row budgets (cuda/policy.hpp; one per head with
+//     per-head events), then the download of the selection's row offsets (8 * (rows + 1) bytes)
+//     after the compaction, and the upload of the new lengths: the host keeps every head's
+//     length, which decides the next event's shapes and whether it is due. A layer that is not
+//     due costs nothing.
+//   - attend() of more queries than one launch holds (a prefill; see attend()): one upload of
+//     every chunk's lengths.
+//   - growing device memory: a layer's storage (append() past its capacity; reserve(),
+//     shrink_to_fit()), the shared workspace, the CSR, the chunk buffers and the merger's
+//     workspace, when a call needs more than they hold: a stream synchronisation, cudaMalloc,
+//     and for storage the copy of the held rows. Growth is by doubling; reserve() the longest a
+//     layer will get (decode targets + interval) to keep the decode loop free of it.
+//   - the constructor zeroes the device lengths (two blocking fills per layer).
+// A decode step's append() and attend() (one query per sequence) are asynchronous: lengths are
+// double-buffered on the device.
 // Inputs must stay valid until the stream has run the calls that read them. Appended K/V/Q are
 // not checked for NaN (that would cost a synchronisation per call); the engine's own.
 // Every call runs on the CUDA device that was current when the session was made, and must be
@@ -51,6 +65,8 @@
 
 #include "kvpolicy/cuda/compact.hpp"
 #include "kvpolicy/cuda/decode.hpp"
+#include "kvpolicy/cuda/decode_math.hpp"
+#include "kvpolicy/cuda/merge.hpp"
 #include "kvpolicy/cuda/policy.hpp"
 #include "kvpolicy/cuda/runtime.hpp"
 #include "kvpolicy/cuda/session_launch.hpp"
@@ -64,8 +80,11 @@ namespace detail {
 template <Element T>
 std::string session_unsupported(const Policy& policy) {
   const std::string who = kvpolicy::detail::cat("cuda::Session: policy '", policy.spec(), "'");
-  if (policy.merger())
-    return who + " has a merger stage; mergers run in kvpolicy::Session on the CPU only so far";
+  if (policy.merger() && !std::holds_alternative<Semantic>(*policy.merger()))
+    return who + ": merger '" +
+           std::visit([](const auto& m) { return std::string(std::decay_t<decltype(m)>::name); },
+                      *policy.merger()) +
+           "' has no device kernel (device mergers: semantic); use kvpolicy::Session";
   if (policy.quantizer())
     return who + " has a quantizer stage (" + std::string(policy.quantizer_name()) +
            "); packed caches run in kvpolicy::Session on the CPU only so far";
@@ -88,6 +107,11 @@ class Session {
     KVP_REQUIRE(cfg_.head_dim == 64 || cfg_.head_dim == 128 || cfg_.head_dim == 256,
                 "cuda::Session: head_dim ", cfg_.head_dim,
                 " (the device attention supports 64, 128 and 256)");
+    KVP_REQUIRE(attend_rows() >= cfg_.q_heads / cfg_.kv_heads, "cuda::Session: ",
+                cfg_.q_heads / cfg_.kv_heads, " query heads per KV head (q_heads ", cfg_.q_heads,
+                ", kv_heads ", cfg_.kv_heads, ") at head_dim ", cfg_.head_dim, " exceed the ",
+                attend_rows(), " query rows the device attention holds in ", kSharedBytes,
+                " bytes of shared memory");
     if (const std::string why = detail::session_unsupported<T>(policy_); !why.empty())
       kvpolicy::detail::fail(why);
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg_.record_queries});
@@ -96,7 +120,9 @@ class Session {
                               static_cast<std::int64_t>(sizeof(T))}) &&
                     product_fits({cfg_.q_heads, std::max<std::int64_t>(window_, 1), cfg_.head_dim,
                                   static_cast<std::int64_t>(sizeof(T))}),
-                "cuda::Session: the configured shapes need buffers larger than the address space");
+                "cuda::Session: kv_heads ", cfg_.kv_heads, ", q_heads ", cfg_.q_heads,
+                ", head_dim ", cfg_.head_dim, ", initial_capacity ", cfg_.initial_capacity,
+                " and a query window of ", window_, " need buffers larger than the address space");
     layers_.resize(static_cast<std::size_t>(cfg_.layers));
     const auto H = static_cast<std::size_t>(cfg_.kv_heads);
     for (auto& L : layers_) {
@@ -129,6 +155,15 @@ class Session {
     if (cap != L.capacity) grow(L, cap);
   }
 
+  // As kvpolicy::Session::shrink_to_fit: every layer's storage becomes its longest head (at
+  // least 1 token), giving back what compression freed.
+  void shrink_to_fit() {
+    for (auto& L : layers_) {
+      const std::int64_t len = std::max<std::int64_t>(longest(L), 1);
+      if (len < L.capacity) grow(L, len);
+    }
+  }
+
   // Appends n tokens to every KV head of `layer`. k, v: device [1][Hkv][n][d]; q: device
   // [1][Hq][n][d], or empty when the policy reads no queries. Any strides.
   void append(std::int64_t layer, const KVView<const T>& k, const KVView<const T>& v,
@@ -151,6 +186,18 @@ class Session {
                 "cuda::Session::append: positions past 2^31 - 1 (int32 positions)");
     const std::int64_t maxlen = longest(L);
     if (maxlen + n > L.capacity) grow(L, std::max(2 * L.capacity, maxlen + n));
+    // Both launches write only buffers the session does not read yet (the other window buffer,
+    // the other lengths buffer, rows past every head's length): the host state moves once both
+    // were enqueued, so a failed launch leaves the session as it was.
+    const bool push = window_ > 0 && q.data;
+    if (push) {
+      WindowPushArgs w;
+      w.queries = erase(q);
+      w.window_in = L.window[L.cur_window].data();
+      w.window_out = L.window[1 - L.cur_window].data();
+      w.window = window_;
+      throw_if_error(session_push_window(backend(), w), "cuda::Session::append (queries)");
+    }
     SessionAppendArgs a;
     a.keys = erase(k);
     a.values = erase(v);
@@ -164,18 +211,13 @@ class Session {
     a.zeroed[0] = L.acc.template as<float>();
     a.zeroed[1] = L.observed.template as<float>();
     a.zeroed[2] = L.credit.template as<float>();
+    a.zeroed[3] = L.log_count.template as<float>();
     throw_if_error(session_append(backend(), a), "cuda::Session::append");
     L.cur = 1 - L.cur;
     for (auto& len : L.lengths) len += n;
     L.next_position += n;
     L.schedule.appended(n);
-    if (window_ > 0 && q.data) {
-      WindowPushArgs w;
-      w.queries = erase(q);
-      w.window_in = L.window[L.cur_window].data();
-      w.window_out = L.window[1 - L.cur_window].data();
-      w.window = window_;
-      throw_if_error(session_push_window(backend(), w), "cuda::Session::append (queries)");
+    if (push) {
       L.cur_window = 1 - L.cur_window;
       L.held = session_math::window_held(L.held, window_, n);
     }
@@ -188,9 +230,10 @@ class Session {
     Layer& L = at(layer);
     check_block(q, cfg_.q_heads, "q");
     KVP_REQUIRE(out != nullptr, "cuda::Session::attend: out is null");
-    KVP_REQUIRE(q.tokens >= 1 && q.tokens <= *std::min_element(L.lengths.begin(), L.lengths.end()),
-                "cuda::Session::attend: ", q.tokens,
-                " queries; pass 1 to the shortest head's length of them (the newest tokens)");
+    const std::int64_t shortest = *std::min_element(L.lengths.begin(), L.lengths.end());
+    KVP_REQUIRE(q.tokens >= 1 && q.tokens <= shortest, "cuda::Session::attend: q has ", q.tokens,
+                " tokens; it must hold 1 to ", shortest,
+                " (the shortest head's length): the newest appended tokens' queries");
     DecodeArgs args;
     args.lengths = L.lens[L.cur].template as<std::int64_t>();
     args.causal = true;
@@ -200,11 +243,17 @@ class Session {
       args.state_stride = L.capacity;
       args.acc_scale = kvpolicy::detail::acc_scale(policy_, cfg_.q_heads, cfg_.kv_heads);
     }
-    const KVView<const T> k = keys(layer), v = values(layer);
+    if (policy_.merger()) {  // proportional attention: + log(count) on every row's logit
+      args.bias = L.log_count.template as<float>();
+      args.bias_stride = L.capacity;
+    }
+    // Views as long as the longest head (not the capacity): the kernel's splits cover its keys.
+    const KVView<const T> k = stored(L, L.k, 0, cfg_.kv_heads, longest(L)),
+                          v = stored(L, L.v, 0, cfg_.kv_heads, longest(L));
     // The device attention holds a block's query rows (group size x queries) in shared memory:
-    // more than kAttendRows of them run in chunks of queries, each with its own causal horizon.
+    // more than attend_rows() of them run in chunks of queries, each with its own causal horizon.
     const std::int64_t g = cfg_.q_heads / cfg_.kv_heads, n = q.tokens;
-    const std::int64_t m = std::max<std::int64_t>(1, kAttendRows / g);
+    const std::int64_t m = attend_rows() / g;  // >= 1 (checked by the constructor)
     if (n <= m) {
       ensure_workspace(attention_workspace_bytes(k, v, q, args));
       cuda::attention(backend(), k, v, q, args, out);
@@ -243,24 +292,12 @@ class Session {
   // As kvpolicy::Session::compress_if_due.
   bool compress_if_due(std::int64_t layer) {
     Layer& L = at(layer);
-    if (!L.schedule.started()) {
-      if (L.lengths[0] == 0) return false;
-      compress(layer);
-      return true;
-    }
-    const bool due = L.schedule.due(decode_interval(), L.lengths, [&](std::int64_t prompt) {
-      return cfg_.decode_target ? std::optional(kvpolicy::detail::head_budgets(
-                                      *cfg_.decode_target, cfg_.kv_heads, prompt))
-                                : std::nullopt;
-    });
+    const bool due = kvpolicy::detail::compression_due(L.schedule, L.lengths, policy_, cfg_);
     if (due) compress(layer);
     return due;
   }
 
-  std::int64_t decode_interval() const {
-    if (cfg_.decode_interval > 0) return cfg_.decode_interval;
-    return policy_.decode_time() ? 1 : 0;
-  }
+  std::int64_t decode_interval() const { return kvpolicy::detail::decode_interval(policy_, cfg_); }
 
   // Compresses `layer` now (see kvpolicy::Session::compress); returns the event (for per-head
   // events: whether any evicted, the first warning, head 0's protection).
@@ -331,8 +368,7 @@ class Session {
     ensure(offsets_, static_cast<std::size_t>(offsets) * sizeof(std::int64_t));
     ensure(indices_, static_cast<std::size_t>(std::max<std::int64_t>(indices, 1)) *
                          sizeof(std::int32_t));
-    // Every event is selected before anything is compacted: a failing one leaves the cache as it
-    // was (selection writes only the CSR and the workspace).
+    // Every event is selected (and merged) before anything is compacted.
     std::vector<CsrSelection> csrs;
     PolicyEvent result;
     std::int64_t at_offset = 0, at_index = 0;
@@ -340,6 +376,22 @@ class Session {
       CsrSelection csr{1, e.heads, offsets_.template as<std::int64_t>() + at_offset,
                        indices_.template as<std::int32_t>() + at_index, e.plan.kept_capacity};
       const PolicyEvent pe = cuda::select(backend(), pol, e.in, e.budget, csr, e.info);
+      if (pe.evicts && policy_.merger()) {
+        // The merger reads the event's scores where select left them (the workspace), so it
+        // runs before the next event's selection; it writes only this event's heads.
+        const std::int64_t n = e.in.keys.tokens;
+        DeviceMergeArgs<T> m;
+        m.keys = mutable_stored(L, L.k, e.head0, e.heads, n);
+        m.values = mutable_stored(L, L.v, e.head0, e.heads, n);
+        m.selection = csr;
+        m.scores = pe.scores;
+        m.log_count = L.log_count.template as<float>() + e.head0 * L.capacity;
+        m.log_count_stride = L.capacity;
+        m.protect = pe.protect;
+        ensure(merge_workspace_, semantic_merge_workspace_bytes(m.keys));
+        cuda::merge(cuda_backend{stream_, merge_workspace_.data(), merge_workspace_.bytes()},
+                    std::get<Semantic>(*policy_.merger()), m);
+      }
       if (&e == &events.front()) result.protect = pe.protect;
       result.evicts = result.evicts || pe.evicts;
       if (result.warning.empty()) result.warning = pe.warning;
@@ -398,6 +450,10 @@ class Session {
   std::vector<float> accumulated(std::int64_t layer, std::int64_t head) const {
     return download_state<float>(at(layer), at(layer).acc, head);
   }
+  // log(tokens each row stands for) with a merger (empty without one).
+  std::vector<float> log_counts(std::int64_t layer, std::int64_t head) const {
+    return download_state<float>(at(layer), at(layer).log_count, head);
+  }
   // Bytes of K and V held by valid tokens.
   std::size_t kv_bytes() const {
     std::size_t n = 0;
@@ -416,6 +472,7 @@ class Session {
     DeviceBuffer k, v;                   // [Hkv][capacity][d]
     DeviceBuffer positions;              // int32 [Hkv][capacity]
     DeviceBuffer acc, observed, credit;  // float [Hkv][capacity], empty when not tracked
+    DeviceBuffer log_count;              // float [Hkv][capacity], log(tokens a row stands for)
     DeviceBuffer window[2];              // [Hq][window][d], right-aligned (session_math.hpp)
     int cur_window = 0;
     std::int64_t held = 0;  // queries in the window
@@ -443,21 +500,18 @@ class Session {
   }
 
   // Heads [h0, h0 + heads) of a storage buffer, `tokens` rows each.
-  KVView<const T> stored(const Layer& L, const DeviceBuffer& b, std::int64_t h0,
-                         std::int64_t heads, std::int64_t tokens) const {
-    KVView<const T> v = KVView<const T>::hnd(b.template as<const T>() + h0 * L.capacity * cfg_.head_dim,
-                                             1, heads, tokens, cfg_.head_dim);
+  template <class E = const T>
+  KVView<E> stored(const Layer& L, const DeviceBuffer& b, std::int64_t h0, std::int64_t heads,
+                   std::int64_t tokens) const {
+    KVView<E> v = KVView<E>::hnd(b.template as<E>() + h0 * L.capacity * cfg_.head_dim, 1, heads,
+                                 tokens, cfg_.head_dim);
     v.stride_head = L.capacity * cfg_.head_dim;
     v.stride_layer = heads * v.stride_head;
     return v;
   }
   KVView<T> mutable_stored(const Layer& L, const DeviceBuffer& b, std::int64_t h0,
                            std::int64_t heads, std::int64_t tokens) const {
-    KVView<T> v = KVView<T>::hnd(b.template as<T>() + h0 * L.capacity * cfg_.head_dim, 1, heads,
-                                 tokens, cfg_.head_dim);
-    v.stride_head = L.capacity * cfg_.head_dim;
-    v.stride_layer = heads * v.stride_head;
-    return v;
+    return stored<T>(L, b, h0, heads, tokens);
   }
   // The newest n queries of query heads [h0, h0 + heads).
   KVView<const T> window_view(const Layer& L, std::int64_t h0, std::int64_t heads,
@@ -474,7 +528,7 @@ class Session {
   template <class F>
   static void for_each_state(Layer& L, F&& f) {
     f(L.positions.template as<std::int32_t>());
-    for (DeviceBuffer* b : {&L.acc, &L.observed, &L.credit})
+    for (DeviceBuffer* b : {&L.acc, &L.observed, &L.credit, &L.log_count})
       if (b->data()) f(b->template as<float>());
   }
 
@@ -529,9 +583,12 @@ class Session {
       observed = regrow(L.observed, sizeof(float));
     }
     if (policy_.alloc_state()) cred = regrow(L.credit, sizeof(float));
+    DeviceBuffer logc;
+    if (policy_.merger()) logc = regrow(L.log_count, sizeof(float));
     synchronize(stream_);  // the copies read the old buffers, freed below
     L.k = std::move(k), L.v = std::move(v), L.positions = std::move(pos);
     L.acc = std::move(acc), L.observed = std::move(observed), L.credit = std::move(cred);
+    L.log_count = std::move(logc);
     L.capacity = cap;
   }
 
@@ -541,10 +598,18 @@ class Session {
   void* stream_ = nullptr;
   std::int64_t window_ = 0;
   std::vector<Layer> layers_;
-  // Query rows (group size x queries) per launch of the device attention: 32 rows of head_dim
-  // 256 need 101 KB of shared memory, within every supported GPU's opt-in limit (sm_80: 163 KB).
-  static constexpr std::int64_t kAttendRows = 32;
-  DeviceBuffer workspace_, offsets_, indices_, chunk_lengths_, chunk_out_;
+  // Shared memory one launch of the device attention may use: the smallest opt-in limit of the
+  // GPUs the kernels are built for (sm_86 / sm_89: 99 KB; sm_80: 163 KB; sm_90: 227 KB).
+  static constexpr std::int64_t kSharedBytes = 101376;
+  // Query rows (group size x queries) one launch holds within kSharedBytes at this head_dim
+  // (cuda/decode_math.hpp's shared-memory layout): 86 at 64, 58 at 128, 32 at 256.
+  std::int64_t attend_rows() const {
+    const int d = static_cast<int>(cfg_.head_dim), tk = decode_math::key_tile(d);
+    std::int64_t rows = 0;
+    while (decode_math::smem_floats(static_cast<int>(rows + 1), d, tk) * 4 <= kSharedBytes) ++rows;
+    return rows;
+  }
+  DeviceBuffer workspace_, offsets_, indices_, chunk_lengths_, chunk_out_, merge_workspace_;
   std::string warning_;
 };
 

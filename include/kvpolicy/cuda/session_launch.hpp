@@ -23,7 +23,7 @@ struct SessionAppendArgs {
   std::int64_t* lengths_out = nullptr;    // device [heads]: lengths + n (must not alias lengths)
   std::int32_t* positions = nullptr;      // device [heads][capacity]: new row t gets first_position + t
   std::int32_t first_position = 0;
-  float* zeroed[3] = {nullptr, nullptr, nullptr};  // per-token state [heads][capacity]: new rows = 0
+  float* zeroed[4] = {nullptr, nullptr, nullptr, nullptr};  // per-token state [heads][capacity]: new rows = 0
 };
 Status session_append(const cuda_backend& be, const SessionAppendArgs& a);
 
