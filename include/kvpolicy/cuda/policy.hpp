@@ -91,8 +91,8 @@ struct PolicyEvent {
   Protect protect;      // the tokens the selection protected (after fitting a small budget)
   bool evicts = false;  // false: every row kept every token (nothing was scored)
   std::string warning;  // as Selection::warning() on the CPU path
-  // The scores the selection ranked (after the allocators, as Policy::select's `scores` on the
-  // CPU path), in the workspace: valid until the next call that uses it. What a merger reads.
+  // Scores ranked (post-allocator, as Policy::select's `scores`), in the workspace until its next
+  // use (a batch's next event); a merger reads them. cuda::Session::compress returns none.
   ScoreView scores;
 };
 

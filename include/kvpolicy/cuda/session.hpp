@@ -14,8 +14,8 @@
 // decode_interval() tokens (every token for h2o). For the same policy, configuration and inputs
 // it keeps the same tokens as kvpolicy::Session (tests/session/test_cuda_session.cpp compares the
 // two step by step on a GPU), except where a score is a sum the device adds in another order:
-// H2O's accumulated attention and expected attention's scores equal the CPU's to fp32 rounding,
-// so a near-tie can fall the other way.
+// H2O's accumulated attention, expected attention's scores and AMS's window attention equal the
+// CPU's to fp32 rounding, so a near-tie can fall the other way.
 //
 // What it runs: the scorer -> allocators -> selection chain of cuda::select (cuda/policy.hpp:
 // every device scorer but kvzip, every allocator it runs), the semantic merger (cuda/merge.hpp,
@@ -26,12 +26,14 @@
 // per-token array (original positions, H2O sums and counts, AMS credit, log counts) with the same
 // selection; attend() is cuda::attention (head_dim 64, 128 or 256) and accumulates the H2O
 // statistics. Layers with heads of different lengths, or fixed per-head budgets that differ
-// (after adakv or ams), compress head by head, as on the CPU; with a merger each head's merge
+// (after adakv, or a total budget that does not divide evenly), compress head by head, as on the
+// CPU; with a merger each head's merge
 // follows its selection (the next selection reuses the workspace). Every event is planned, with
 // the selection's own checks, before the first one runs, so only a CUDA error can stop a
 // compression part-way; it then leaves earlier heads merged, or their AMS credit advanced, but
-// nothing compacted. Refused by the constructor, by name: quantizer stages, the nearest merger
-// and kvzip (its reconstruction pass), which have no device path here yet. Not provided:
+// nothing compacted. Refused by the constructor, by name: quantizer stages, the nearest merger,
+// semantic(chunk=0) (chunks at delimiters only) and kvzip (its reconstruction pass), which have
+// no device path here yet. Not provided:
 // fork(), delimiters (semantic cuts fixed chunks).
 //
 // Host synchronisation, and why (each is a blocking copy or a stream synchronisation):
@@ -46,8 +48,10 @@
 //     shrink_to_fit()), the shared workspace, the CSR, the chunk buffers and the merger's
 //     workspace, when a call needs more than they hold: a stream synchronisation, cudaMalloc,
 //     and for storage the copy of the held rows. Growth is by doubling; reserve() the longest a
-//     layer will get (decode targets + interval) to keep the decode loop free of it.
-//   - the constructor zeroes the device lengths (two blocking fills per layer).
+//     layer will get (decode targets + interval) to keep the decode loop free of storage growth
+//     (the attention's workspace follows the longest head and may still grow, by doubling).
+//   - the constructor: two blocking fills (the device lengths) and one synchronisation (the
+//     first storage) per layer.
 // A decode step's append() and attend() (one query per sequence) are asynchronous: lengths are
 // double-buffered on the device.
 // Inputs must stay valid until the stream has run the calls that read them. Appended K/V/Q are
@@ -58,9 +62,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "kvpolicy/cuda/compact.hpp"
@@ -80,6 +87,10 @@ namespace detail {
 template <Element T>
 std::string session_unsupported(const Policy& policy) {
   const std::string who = kvpolicy::detail::cat("cuda::Session: policy '", policy.spec(), "'");
+  if (const auto* sem = policy.merger() ? std::get_if<Semantic>(&*policy.merger()) : nullptr;
+      sem && sem->chunk == 0)
+    return who + ": semantic(chunk=0) cuts chunks at delimiters only, and the device session "
+                 "takes no delimiter masks; give chunk > 0";
   if (policy.merger() && !std::holds_alternative<Semantic>(*policy.merger()))
     return who + ": merger '" +
            std::visit([](const auto& m) { return std::string(std::decay_t<decltype(m)>::name); },
@@ -116,11 +127,12 @@ class Session {
       kvpolicy::detail::fail(why);
     window_ = std::max<std::int64_t>({0, policy_.query_window(), cfg_.record_queries});
     using kvpolicy::detail::product_fits;
-    KVP_REQUIRE(product_fits({cfg_.kv_heads, cfg_.initial_capacity, cfg_.head_dim,
+    KVP_REQUIRE(product_fits({cfg_.layers, static_cast<std::int64_t>(sizeof(Layer))}) &&
+                    product_fits({cfg_.kv_heads, cfg_.initial_capacity, cfg_.head_dim,
                               static_cast<std::int64_t>(sizeof(T))}) &&
                     product_fits({cfg_.q_heads, std::max<std::int64_t>(window_, 1), cfg_.head_dim,
                                   static_cast<std::int64_t>(sizeof(T))}),
-                "cuda::Session: kv_heads ", cfg_.kv_heads, ", q_heads ", cfg_.q_heads,
+                "cuda::Session: layers ", cfg_.layers, ", kv_heads ", cfg_.kv_heads, ", q_heads ", cfg_.q_heads,
                 ", head_dim ", cfg_.head_dim, ", initial_capacity ", cfg_.initial_capacity,
                 " and a query window of ", window_, " need buffers larger than the address space");
     layers_.resize(static_cast<std::size_t>(cfg_.layers));
