@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "c/c_internal.hpp"
+#include "c/c_session.hpp"
 #include "kvpolicy/cuda/policy.hpp"
 #include "kvpolicy/session.hpp"
 #if defined(KVPOLICY_WITH_CUDA)
@@ -414,18 +415,7 @@ extern "C" kvp_status kvp_session_create(const kvp_policy* policy, const kvp_ses
     *out = nullptr;
     KVP_C_NONNULL(policy, "policy");
     KVP_C_NONNULL(config, "config");
-    check_struct(config->struct_size, sizeof(kvp_session_config), "config");
-    SessionConfig c;
-    c.layers = config->layers;
-    c.kv_heads = config->kv_heads;
-    c.q_heads = config->q_heads;
-    c.head_dim = config->head_dim;
-    c.budget = budget_from(config->budget, "config.budget");
-    c.initial_capacity = config->initial_capacity;
-    c.decode_interval = config->decode_interval;
-    if (config->has_decode_target)
-      c.decode_target = budget_from(config->decode_target, "config.decode_target");
-    c.backend.threads = config->threads;
+    const SessionConfig c = session_config_from(*config);
     auto s = std::make_unique<kvp_session>(kvp_session{Session<float>(policy->policy, c),
                                                        policy->plugin});
     if (policy->plugin && policy->plugin->fns.reset)
@@ -584,18 +574,6 @@ namespace {
 cuda::CsrSelection csr_of(const kvp_csr& c) {
   return {c.layers, c.heads, c.offsets, c.indices, c.capacity};
 }
-
-// f(), with a failed CUDA runtime call or launch reported as KVP_ERROR_CUDA.
-template <class F>
-decltype(auto) cuda_call(F&& f) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    if (std::string(e.what()).find("CUDA error") != std::string::npos)
-      raise(KVP_ERROR_CUDA, e.what());
-    throw;
-  }
-}
 }  // namespace
 
 extern "C" int kvp_cuda_device_count(void) { return cuda::device_count(); }
@@ -654,14 +632,6 @@ extern "C" kvp_status kvp_cuda_compact(const kvp_tensor* kv, const kvp_csr* sele
   });
 }
 #else
-namespace {
-[[noreturn]] void no_cuda(const char* fn) {
-  raise(KVP_ERROR_UNSUPPORTED,
-        std::string("kvpolicy: ") + fn + ": this build of kvpolicy has no CUDA support "
-        "(configure with -DKVPOLICY_CUDA=ON and nvcc available)");
-}
-}  // namespace
-
 extern "C" int kvp_cuda_device_count(void) { return 0; }
 extern "C" kvp_status kvp_cuda_select_workspace_size(int64_t, int64_t, size_t*) {
   return guard([] { no_cuda("kvp_cuda_select_workspace_size"); });

@@ -53,8 +53,9 @@ extern "C" {
  * 3: kvp_cuda_compress_plan and kvp_cuda_compress (a whole policy on device tensors).
  * 4: kvp_compress_params.reconstruction, alloc_state, rope_inv_freq (kvzip, ams's credit and
  *    expected attention's frequencies per call, host or device).
- * 5: kvp_cuda_compress(_plan) take kvp_compress_params.shard (tensor parallelism on device). */
-#define KVP_ABI_VERSION 5
+ * 5: kvp_cuda_compress(_plan) take kvp_compress_params.shard (tensor parallelism on device).
+ * 6: kvp_cuda_session_* (the decode loop of a sequence on the device). */
+#define KVP_ABI_VERSION 6
 
 typedef enum kvp_status {
   KVP_OK = 0,
@@ -456,6 +457,53 @@ KVP_API kvp_status kvp_cuda_compress(const kvp_policy* policy, const kvp_compres
                                      const kvp_tensor* keys, const kvp_tensor* values,
                                      const kvp_tensor* queries, void* workspace,
                                      size_t workspace_bytes, void* stream, kvp_csr* out);
+
+/* ---- CUDA sessions (ABI 6) ---------------------------------------------------------------- */
+
+/* kvp_session's decode loop on a GPU (C++: kvpolicy::cuda::Session; see the README): the KV
+ * cache of one sequence, its per-token state and the policy's query window in device memory of
+ * the CUDA device current at creation (every later call must be made with it current), every
+ * kernel on `stream` (a cudaStream_t; NULL: the legacy default stream). Same configuration and
+ * compression schedule as kvp_session (config.threads is unused); `dtype` is the cache's element
+ * type, which every tensor passed later must have. Policies with a quantizer, the nearest
+ * merger, semantic(chunk=0), kvzip or a plug-in scorer give KVP_ERROR_UNSUPPORTED; head_dim must
+ * be 64, 128 or 256. A failed CUDA call gives KVP_ERROR_CUDA. Without CUDA in the build, every
+ * kvp_cuda_session_* call gives KVP_ERROR_UNSUPPORTED. Host synchronisation: at creation, at
+ * each compression (budgets up, row offsets down, lengths up), when device memory grows, and in
+ * kvp_cuda_session_positions; a decode step's append and attend are asynchronous. */
+typedef struct kvp_cuda_session kvp_cuda_session;
+KVP_API kvp_status kvp_cuda_session_create(const kvp_policy* policy,
+                                           const kvp_session_config* config, kvp_dtype dtype,
+                                           void* stream, kvp_cuda_session** out);
+KVP_API void kvp_cuda_session_destroy(kvp_cuda_session* session);
+/* n new tokens of `layer`: k, v [1][Hkv][n][d], q [1][Hq][n][d] (NULL if the policy reads no
+ * queries): device tensors of the session's dtype, any strides. Not checked for NaN. */
+KVP_API kvp_status kvp_cuda_session_append(kvp_cuda_session* session, int64_t layer,
+                                           const kvp_tensor* k, const kvp_tensor* v,
+                                           const kvp_tensor* q);
+/* Causal attention of q [1][Hq][n][d] (device; the last n appended tokens) over the layer's
+ * cache into out (device float32 [Hq][n][d], out_len >= Hq * n * d); accumulates the H2O
+ * statistics the policy reads. */
+KVP_API kvp_status kvp_cuda_session_attend(kvp_cuda_session* session, int64_t layer,
+                                           const kvp_tensor* q, float* out, size_t out_len);
+/* As kvp_session_compress_if_due. */
+KVP_API kvp_status kvp_cuda_session_compress_if_due(kvp_cuda_session* session, int64_t layer,
+                                                    int* compressed);
+/* Tokens held by each KV head of `layer` (host memory, no synchronisation): out [kv_heads]. */
+KVP_API kvp_status kvp_cuda_session_lengths(const kvp_cuda_session* session, int64_t layer,
+                                            int64_t* out, size_t n);
+/* The layer's cache as device tensors [1][Hkv][capacity][d] of the session's dtype (head h's
+ * valid rows: its length), for an engine's own attention kernels; valid until the next call on
+ * the session that appends, compresses or reserves. Either output may be NULL. */
+KVP_API kvp_status kvp_cuda_session_cache(const kvp_cuda_session* session, int64_t layer,
+                                          kvp_tensor* keys, kvp_tensor* values);
+/* Original positions of (layer, head)'s kept tokens into host memory out [capacity_tokens >=
+ * length]; waits for the stream. */
+KVP_API kvp_status kvp_cuda_session_positions(const kvp_cuda_session* session, int64_t layer,
+                                              int64_t head, int32_t* out,
+                                              int64_t capacity_tokens);
+/* Bytes of K/V the valid tokens hold. */
+KVP_API kvp_status kvp_cuda_session_kv_bytes(const kvp_cuda_session* session, size_t* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -109,6 +109,8 @@ std::string session_unsupported(const Policy& policy) {
 template <Element T>
 class Session {
  public:
+  using element_type = T;
+
   // Allocates every layer's storage (cfg.initial_capacity tokens per head) on the current
   // device; all work goes to `stream` (nullptr: the legacy default stream).
   Session(Policy policy, SessionConfig cfg, void* stream = nullptr)
