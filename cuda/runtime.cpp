@@ -68,7 +68,12 @@ DeviceGuard::~DeviceGuard() {
 
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
-  check(cudaMalloc(&ptr_, bytes), "DeviceBuffer");
+  const cudaError_t e = cudaMalloc(&ptr_, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed allocation is not sticky: don't report it again later
+    ptr_ = nullptr;
+    check(e, "DeviceBuffer");
+  }
 }
 
 DeviceBuffer::~DeviceBuffer() {

@@ -1,7 +1,8 @@
 // C ABI of the device Session (kvp_cuda_session_*, include/kvpolicy/c/kvpolicy.h): a handle over
 // kvpolicy::cuda::Session<T> for the cache's element type. Every entry point is noexcept at the
 // boundary (capi::guard) and checks its arguments before it writes anything. Without CUDA in
-// the build, each one checks its pointers and gives KVP_ERROR_UNSUPPORTED.
+// the build, kvp_cuda_session_create checks its arguments and the policy as with CUDA, then
+// gives KVP_ERROR_UNSUPPORTED, as the other entry points do at once.
 #include <algorithm>
 #include <string>
 #include <type_traits>
@@ -10,12 +11,27 @@
 
 #include "c/c_internal.hpp"
 #include "c/c_session.hpp"
-#if defined(KVPOLICY_WITH_CUDA)
-#include "kvpolicy/cuda/session.hpp"
-#endif
+#include "kvpolicy/cuda/session.hpp"  // (without CUDA: its host checks only, nothing instantiated)
 
 using namespace kvpolicy;
 using namespace kvpolicy::capi;
+
+namespace {
+// The argument and policy checks of kvp_cuda_session_create in every build; f(T{}, config).
+template <class F>
+void create_checks(const kvp_policy* policy, const kvp_session_config* config, kvp_dtype dtype,
+                   F&& f) {
+  KVP_C_NONNULL(policy, "policy");
+  KVP_C_NONNULL(config, "config");
+  const SessionConfig c = session_config_from(*config);
+  dispatch(dtype, "dtype", [&](auto tag) {
+    using T = decltype(tag);
+    const std::string why = cuda::detail::session_unsupported<T>(policy->policy);
+    if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: kvp_cuda_session_create: " + why);
+    f(tag, c);
+  });
+}
+}  // namespace
 
 #if defined(KVPOLICY_WITH_CUDA)
 
@@ -50,13 +66,8 @@ extern "C" kvp_status kvp_cuda_session_create(const kvp_policy* policy,
   return guard([&] {
     KVP_C_NONNULL(out, "out");
     *out = nullptr;
-    KVP_C_NONNULL(policy, "policy");
-    KVP_C_NONNULL(config, "config");
-    const SessionConfig c = session_config_from(*config);
-    dispatch(dtype, "dtype", [&](auto tag) {
+    create_checks(policy, config, dtype, [&](auto tag, const SessionConfig& c) {
       using T = decltype(tag);
-      const std::string why = cuda::detail::session_unsupported<T>(policy->policy);
-      if (!why.empty()) raise(KVP_ERROR_UNSUPPORTED, "kvpolicy: kvp_cuda_session_create: " + why);
       *out = cuda_call([&] {
         return new kvp_cuda_session{decltype(kvp_cuda_session::s)(
             std::in_place_type<cuda::Session<T>>, policy->policy, c, stream)};
@@ -194,14 +205,13 @@ extern "C" kvp_status kvp_cuda_session_kv_bytes(const kvp_cuda_session* session,
 struct kvp_cuda_session {};
 
 extern "C" kvp_status kvp_cuda_session_create(const kvp_policy* policy,
-                                              const kvp_session_config* config, kvp_dtype,
+                                              const kvp_session_config* config, kvp_dtype dtype,
                                               void*, kvp_cuda_session** out) {
   return guard([&] {
     KVP_C_NONNULL(out, "out");
     *out = nullptr;
-    KVP_C_NONNULL(policy, "policy");
-    KVP_C_NONNULL(config, "config");
-    no_cuda("kvp_cuda_session_create");
+    create_checks(policy, config, dtype,
+                  [](auto, const SessionConfig&) { no_cuda("kvp_cuda_session_create"); });
   });
 }
 extern "C" void kvp_cuda_session_destroy(kvp_cuda_session* session) { delete session; }

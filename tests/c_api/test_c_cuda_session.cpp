@@ -1,6 +1,6 @@
-// kvp_cuda_session_*: the device Session through the C ABI. The argument checks and refusals run
-// in every build, before the device is touched (without CUDA in the build: UNSUPPORTED; with it
-// but no GPU: KVP_ERROR_CUDA from the first allocation). The [gpu] case runs kvp_session on the
+// kvp_cuda_session_*: the device Session through the C ABI. kvp_cuda_session_create's argument
+// checks and policy refusals run in every build, before the device is touched; then a build
+// without CUDA gives UNSUPPORTED, one with CUDA but no GPU KVP_ERROR_CUDA (the first allocation). The [gpu] case runs kvp_session on the
 // host and kvp_cuda_session on the device side by side through a prefill and decode steps, and
 // requires the same compress_if_due answers, lengths, original positions and stored keys and
 // values (read through kvp_cuda_session_cache), and attention outputs to 1e-4.
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -48,17 +49,15 @@ TEST_CASE("C ABI: kvp_cuda_session checks its arguments before touching the devi
   CHECK(mentions("config is NULL"));
   CHECK(kvp_cuda_session_create(p, &cfg, KVP_F32, nullptr, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("out is NULL"));
-#if defined(KVPOLICY_WITH_CUDA)
   kvp_session_config old = cfg;
   old.struct_size = 8;
   CHECK(kvp_cuda_session_create(p, &old, KVP_F32, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("config.struct_size is 8"));
-  CHECK(kvp_cuda_session_create(p, &cfg, static_cast<kvp_dtype>(7), nullptr, &s) ==
-        KVP_ERROR_INVALID_ARGUMENT);
+  kvp_dtype bad_dtype;  // an out-of-range value, as a C caller could pass (no enum cast)
+  const int seven = 7;
+  std::memcpy(&bad_dtype, &seven, sizeof bad_dtype);
+  CHECK(kvp_cuda_session_create(p, &cfg, bad_dtype, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("dtype: unknown dtype 7"));
-  kvp_session_config narrow = config(48);
-  CHECK(kvp_cuda_session_create(p, &narrow, KVP_F32, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
-  CHECK(mentions("head_dim 48 (the device attention supports 64, 128 and 256)"));
   for (const char* spec : {"snapkv | nearest", "snapkv | int2", "kvzip"}) {
     INFO(spec);
     kvp_policy* q = make(spec);
@@ -66,6 +65,11 @@ TEST_CASE("C ABI: kvp_cuda_session checks its arguments before touching the devi
     CHECK(mentions("kvp_cuda_session_create: cuda::Session: policy"));
     kvp_policy_destroy(q);
   }
+  CHECK(s == nullptr);
+#if defined(KVPOLICY_WITH_CUDA)
+  kvp_session_config narrow = config(48);
+  CHECK(kvp_cuda_session_create(p, &narrow, KVP_F32, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
+  CHECK(mentions("head_dim 48 (the device attention supports 64, 128 and 256)"));
   CHECK(kvp_cuda_session_append(nullptr, 0, nullptr, nullptr, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("session is NULL"));
   if (kvp_cuda_device_count() == 0) {  // the first allocation fails: a CUDA error, no handle
@@ -154,7 +158,15 @@ TEST_CASE("C ABI: kvp_cuda_session on the GPU keeps what kvp_session keeps [gpu]
     CHECK(bh == bd);
     std::vector<int64_t> small(1);
     CHECK(kvp_cuda_session_lengths(dev, 0, small.data(), small.size()) == KVP_ERROR_BUFFER_TOO_SMALL);
-    CHECK(kvp_cuda_session_append(dev, 5, nullptr, nullptr, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
+    std::vector<float> dummy(static_cast<std::size_t>(H * d));
+    const kvp_tensor one = kvp_tensor_hnd(dummy.data(), KVP_F32, 1, H, 1, d);
+    CHECK(kvp_cuda_session_append(dev, 5, &one, &one, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("layer 5 is outside [0, 2)"));
+    int32_t pos[1];
+    CHECK(kvp_cuda_session_positions(dev, 0, 0, pos, 1) == KVP_ERROR_BUFFER_TOO_SMALL);
+    const kvp_tensor halfs = kvp_tensor_hnd(dummy.data(), KVP_F16, 1, H, 1, d);
+    CHECK(kvp_cuda_session_append(dev, 0, &halfs, &halfs, nullptr) == KVP_ERROR_INVALID_ARGUMENT);
+    CHECK(mentions("k has dtype float16 but float32 was expected"));
     kvp_cuda_session_destroy(dev);
     kvp_session_destroy(host);
     kvp_policy_destroy(p);

@@ -465,12 +465,17 @@ KVP_API kvp_status kvp_cuda_compress(const kvp_policy* policy, const kvp_compres
  * the CUDA device current at creation (every later call must be made with it current), every
  * kernel on `stream` (a cudaStream_t; NULL: the legacy default stream). Same configuration and
  * compression schedule as kvp_session (config.threads is unused); `dtype` is the cache's element
- * type, which every tensor passed later must have. Policies with a quantizer, the nearest
- * merger, semantic(chunk=0), kvzip or a plug-in scorer give KVP_ERROR_UNSUPPORTED; head_dim must
- * be 64, 128 or 256. A failed CUDA call gives KVP_ERROR_CUDA. Without CUDA in the build, every
- * kvp_cuda_session_* call gives KVP_ERROR_UNSUPPORTED. Host synchronisation: at creation, at
- * each compression (budgets up, row offsets down, lengths up), when device memory grows, and in
- * kvp_cuda_session_positions; a decode step's append and attend are asynchronous. */
+ * type, which every tensor passed later must have. KVP_ERROR_UNSUPPORTED, naming the stage: a
+ * quantizer, the nearest merger, semantic(chunk=0), kvzip, a plug-in scorer or another stage
+ * without a device path. KVP_ERROR_INVALID_ARGUMENT: head_dim other than 64, 128 or 256, or more
+ * query heads per KV head than the device attention holds (86, 58, 32 at those head_dims). A
+ * failed CUDA call (device memory included) gives KVP_ERROR_CUDA. Without CUDA in the build,
+ * kvp_cuda_session_create checks its arguments and the policy as above, then gives
+ * KVP_ERROR_UNSUPPORTED, as every other kvp_cuda_session_* call does. Host synchronisation: at
+ * creation, at each compression (budgets up, row offsets down, lengths up), when device memory
+ * grows (by doubling; the C ABI has no reserve), in an attend of more query rows than one launch
+ * holds (a prefill: chunk lengths up) and in kvp_cuda_session_positions; a decode step's append
+ * and attend are asynchronous, so their inputs must stay valid until the stream has run them. */
 typedef struct kvp_cuda_session kvp_cuda_session;
 KVP_API kvp_status kvp_cuda_session_create(const kvp_policy* policy,
                                            const kvp_session_config* config, kvp_dtype dtype,
@@ -493,8 +498,10 @@ KVP_API kvp_status kvp_cuda_session_compress_if_due(kvp_cuda_session* session, i
 KVP_API kvp_status kvp_cuda_session_lengths(const kvp_cuda_session* session, int64_t layer,
                                             int64_t* out, size_t n);
 /* The layer's cache as device tensors [1][Hkv][capacity][d] of the session's dtype (head h's
- * valid rows: its length), for an engine's own attention kernels; valid until the next call on
- * the session that appends, compresses or reserves. Either output may be NULL. */
+ * valid rows: its length), for an engine's own attention kernels, ordered on the session's
+ * stream; valid until the next append or compression. Only for policies whose attention is the
+ * plain one: with a merger, rows carry log(count) on their logits, and h2o reads statistics that
+ * only kvp_cuda_session_attend accumulates. Either output may be NULL. */
 KVP_API kvp_status kvp_cuda_session_cache(const kvp_cuda_session* session, int64_t layer,
                                           kvp_tensor* keys, kvp_tensor* values);
 /* Original positions of (layer, head)'s kept tokens into host memory out [capacity_tokens >=
