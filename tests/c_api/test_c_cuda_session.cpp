@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -53,11 +52,8 @@ TEST_CASE("C ABI: kvp_cuda_session checks its arguments before touching the devi
   old.struct_size = 8;
   CHECK(kvp_cuda_session_create(p, &old, KVP_F32, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
   CHECK(mentions("config.struct_size is 8"));
-  kvp_dtype bad_dtype;  // an out-of-range value, as a C caller could pass (no enum cast)
-  const int seven = 7;
-  std::memcpy(&bad_dtype, &seven, sizeof bad_dtype);
-  CHECK(kvp_cuda_session_create(p, &cfg, bad_dtype, nullptr, &s) == KVP_ERROR_INVALID_ARGUMENT);
-  CHECK(mentions("dtype: unknown dtype 7"));
+  // (An out-of-range dtype cannot be passed from C++ without undefined behaviour: UBSan reports
+  // the load of the enum argument. The library reads it through raw_enum and names it.)
   for (const char* spec : {"snapkv | nearest", "snapkv | int2", "kvzip"}) {
     INFO(spec);
     kvp_policy* q = make(spec);
