@@ -7,8 +7,8 @@
                   type and nested arrays (needs gguf-py: gguf 0.19.0 and numpy)
   fuzz_spec       every stage with its parameters, pipelines in every stage order, each spec
                   followed by NUL and bytes that choose the cache
-  fuzz_profile    the bundled SmolLM2 profile and small variants (NaN / Infinity tokens, escapes,
-                  nested unknown keys, a layer count that disagrees)
+  fuzz_profile    the bundled SmolLM2 profiles and small variants (NaN / Infinity tokens, escapes,
+                  nested unknown keys, a layer count that disagrees, loss curves good and bad)
   fuzz_tokenizer  flags byte + text: words, digits, contractions, whitespace runs, ChatML markup,
                   Unicode letters and numbers, invalid UTF-8; and vocabularies from the input
 
@@ -179,6 +179,11 @@ def seeds_profile():
     write("fuzz_profile", "mismatch.json", '{"layers": 4, "sensitivity": [1, 2]}')
     write("fuzz_profile", "empty.json", '{"sensitivity": []}')
     write("fuzz_profile", "nested.json", '{"a": [[[[{"b": [[]]}]]]], "sensitivity": [-0.0, 1]}')
+    write("fuzz_profile", "curves.json",
+          '{"sensitivity": [1, 0.5], "curve_budgets": [0.05, 0.2, 0.5],\n'
+          ' "curves": [[2, 1, 0.25], [0.5, 0.5, 0]]}')
+    write("fuzz_profile", "curves_bad.json",
+          '{"sensitivity": [1], "curve_budgets": [0.5, 0.2, 1], "curves": [[1, NaN]]}')
 
 
 # ---- fuzz_tokenizer ------------------------------------------------------------------------

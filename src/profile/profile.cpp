@@ -69,19 +69,51 @@ LayerProfile parse_layer_profile(const std::string& text, const std::string& whe
   check(sens != j.end(), "no \"sensitivity\" array");
   check(sens->is_array(), "\"sensitivity\" must be an array of numbers");
   check(!sens->empty(), "\"sensitivity\" lists no layers");
-  for (std::size_t l = 0; l < sens->size(); ++l) {
-    const auto& v = (*sens)[l];
-    const std::string layer = "sensitivity of layer " + std::to_string(l);
+  // One finite number >= 0, or an error naming `what` (NaN / Infinity written by Python named).
+  const auto number = [&](const nlohmann::json& v, const std::string& array,
+                          const std::string& what) {
     if (v.is_string()) {
       const auto s = v.get<std::string>();
-      check(s != "NaN", layer + " is NaN");
-      check(s != "Infinity" && s != "-Infinity", layer + " is infinite");
+      check(s != "NaN", what + " is NaN");
+      check(s != "Infinity" && s != "-Infinity", what + " is infinite");
     }
-    check(v.is_number(), "\"sensitivity\" expects numbers; " + layer + " is " + v.dump());
+    check(v.is_number(), "\"" + array + "\" expects numbers; " + what + " is " + v.dump());
     const double x = v.get<double>();
-    check(std::isfinite(x), layer + " is infinite");
-    check(x >= 0, layer + " is negative (" + std::to_string(x) + ")");
-    p.sensitivity.push_back(x);
+    check(std::isfinite(x), what + " is infinite");
+    check(x >= 0, what + " is negative (" + std::to_string(x) + ")");
+    return x;
+  };
+  for (std::size_t l = 0; l < sens->size(); ++l)
+    p.sensitivity.push_back(
+        number((*sens)[l], "sensitivity", "sensitivity of layer " + std::to_string(l)));
+  const auto knots = j.find("curve_budgets"), curves = j.find("curves");
+  check((knots == j.end()) == (curves == j.end()),
+        "\"curve_budgets\" and \"curves\" come together (one of them is missing)");
+  if (knots != j.end()) {
+    check(knots->is_array() && !knots->empty(),
+          "\"curve_budgets\" must be a non-empty array of kept fractions");
+    for (std::size_t k = 0; k < knots->size(); ++k) {
+      const double b = number((*knots)[k], "curve_budgets", "curve budget " + std::to_string(k));
+      check(b > 0 && b < 1, "curve budget " + std::to_string(k) + " (" + std::to_string(b) +
+                                ") is outside (0, 1)");
+      check(p.curve_budgets.empty() || b > p.curve_budgets.back(),
+            "\"curve_budgets\" must be strictly ascending (entry " + std::to_string(k) + ")");
+      p.curve_budgets.push_back(b);
+    }
+    check(curves->is_array() && curves->size() == p.sensitivity.size(),
+          "\"curves\" must hold one row per layer (" + std::to_string(p.sensitivity.size()) +
+              ")");
+    for (std::size_t l = 0; l < curves->size(); ++l) {
+      const auto& row = (*curves)[l];
+      const std::string layer = "curve of layer " + std::to_string(l);
+      check(row.is_array() && row.size() == p.curve_budgets.size(),
+            layer + " must hold one loss per curve budget (" +
+                std::to_string(p.curve_budgets.size()) + ")");
+      std::vector<double> r;
+      for (std::size_t k = 0; k < row.size(); ++k)
+        r.push_back(number(row[k], "curves", layer + " at budget " + std::to_string(k)));
+      p.curves.push_back(std::move(r));
+    }
   }
   if (const auto layers = j.find("layers"); layers != j.end()) {
     check(layers->is_number_integer() && layers->get<std::int64_t>() >= 0,

@@ -18,6 +18,15 @@ namespace {
 
 DepthKV profile(const std::vector<double>& s) { return DepthKV::from_values(s, "test"); }
 
+// A profile with loss curves (the marginal rule): curves[l][k] is layer l's loss at knots[k].
+DepthKV curves(const std::vector<double>& knots, const std::vector<std::vector<double>>& f) {
+  LayerProfile p;
+  p.sensitivity.assign(f.size(), 1.0);
+  p.curve_budgets = knots;
+  p.curves = f;
+  return DepthKV::from_profile(p, "test");
+}
+
 std::vector<std::int64_t> run(const DepthKV& d, std::int64_t L, std::int64_t T, std::int64_t b,
                               Protect prot, std::int64_t H = 1) {
   ScoreMap s(L, H, T);
@@ -95,6 +104,80 @@ TEST_CASE("depthkv: random profiles conserve the budget exactly", "[allocators][
   }
 }
 
+TEST_CASE("depthkv: the marginal rule, by hand", "[allocators][depthkv]") {
+  // T = 1000, knots 10% and 50% (100 and 500 tokens), f(1000) = 0. Layer 0 loses 1.0, 0.2;
+  // layer 1 loses 0.1, 0.05. Hull slopes per token: layer 0 -0.002 on [100, 500], -0.0004 on
+  // [500, 1000]; layer 1 -0.000125, then -0.0001.
+  const DepthKV d = curves({0.1, 0.5}, {{1.0, 0.2}, {0.1, 0.05}});
+  CHECK(d.rule == DepthKV::Rule::marginal);
+  // Mean 300: both start at 100; the 400 left go to layer 0's steepest segment.
+  CHECK(run(d, 2, 1000, 300, {}) == std::vector<std::int64_t>{500, 100});
+  // Mean 600: layer 0 to 500 (400), then its second segment (500), then 100 to layer 1.
+  CHECK(run(d, 2, 1000, 600, {}) == std::vector<std::int64_t>{1000, 200});
+  // Mean 50, below the lowest measured fraction: equal shares.
+  CHECK(run(d, 2, 1000, 50, {}) == std::vector<std::int64_t>{50, 50});
+  // 150 protected tokens: both start at 150 (layer 0 at f = 0.9), 300 left to layer 0.
+  CHECK(run(d, 2, 1000, 300, {50, 100}) == std::vector<std::int64_t>{450, 150});
+  // Several heads: each head column split the same way.
+  CHECK(run(d, 2, 1000, 300, {}, 2) == std::vector<std::int64_t>{500, 500, 100, 100});
+  // The proportional rule on the same profile (sensitivities all 1): uniform.
+  DepthKV prop = d;
+  prop.rule = DepthKV::Rule::proportional;
+  CHECK(run(prop, 2, 1000, 300, {}) == std::vector<std::int64_t>{300, 300});
+}
+
+TEST_CASE("depthkv: the marginal rule follows the lower convex hull", "[allocators][depthkv]") {
+  // Layer 0: (100, 1), (300, 0.9), (500, 0.1), (1000, 0). (300, 0.9) lies above the chord from
+  // (100, 1) to (500, 0.1), so the hull is one segment of slope -0.9 / 400 = -0.00225, then
+  // -0.0002. Layer 1: collinear points, one segment of slope -0.001 from 100 to 1000.
+  const DepthKV d = curves({0.1, 0.3, 0.5}, {{1.0, 0.9, 0.1}, {0.9, 0.7, 0.5}});
+  // Mean 300 (400 to give): all of it to layer 0's first hull segment, though its first
+  // measured step (100 -> 300) is shallower than layer 1's.
+  CHECK(run(d, 2, 1000, 300, {}) == std::vector<std::int64_t>{500, 100});
+  // Mean 400: then 200 to layer 1 (-0.001) before layer 0's second segment (-0.0002).
+  CHECK(run(d, 2, 1000, 400, {}) == std::vector<std::int64_t>{500, 300});
+  // A loss that rises with the budget (noise): the hull goes under it and the budget still goes
+  // where the loss falls fastest.
+  const DepthKV n = curves({0.1, 0.5}, {{0.2, 0.4}, {0.5, 0.3}});
+  // Layer 0: (100, 0.2) -> (1000, 0), slope -0.000222; layer 1: (100, 0.5), (500, 0.3),
+  // (1000, 0): slopes -0.0005, -0.0006 (not convex: one segment, -0.000556).
+  CHECK(run(n, 2, 1000, 300, {}) == std::vector<std::int64_t>{100, 500});
+  // Equal slopes share in proportion to their lengths: identical curves split uniformly.
+  const DepthKV same = curves({0.1}, {{0.3}, {0.3}, {0.3}});
+  CHECK(run(same, 3, 1000, 400, {}) == std::vector<std::int64_t>(3, 400));
+  const DepthKV zero = curves({0.2, 0.4}, {{0, 0}, {0, 0}, {0, 0}});
+  CHECK(run(zero, 3, 1000, 700, {}) == std::vector<std::int64_t>(3, 700));
+}
+
+TEST_CASE("depthkv: the marginal rule conserves the budget exactly on random curves",
+          "[allocators][depthkv]") {
+  kvtest::Rng rng(23);
+  for (int it = 0; it < 300; ++it) {
+    const std::int64_t L = rng.integer(1, 40), H = rng.integer(1, 3), T = rng.integer(1, 2000);
+    const std::int64_t K = rng.integer(1, DepthKV::kMaxKnots);
+    std::vector<double> knots;
+    for (std::int64_t k = 0; k < K; ++k)
+      knots.push_back((static_cast<double>(k) + rng.uniform(0.05, 0.95)) / static_cast<double>(K));
+    std::vector<std::vector<double>> f(static_cast<std::size_t>(L));
+    for (auto& row : f)
+      for (std::int64_t k = 0; k < K; ++k)
+        row.push_back(rng.integer(0, 5) == 0 ? 0.0 : rng.uniform(0, 2));  // any shape, zeros
+    const Protect prot{rng.integer(0, 4), rng.integer(0, 40)};
+    const std::int64_t lo = prot.total(T);
+    ScoreMap sm(L, H, T);
+    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
+    for (auto& x : b) x = rng.integer(lo, T);
+    const std::int64_t total = alloc_test::sum(b);
+    INFO("L=" << L << " H=" << H << " T=" << T << " K=" << K);
+    curves(knots, f).allocate(context(sm, prot), b);
+    REQUIRE(alloc_test::sum(b) == total);
+    for (auto x : b) {
+      REQUIRE(x >= lo);
+      REQUIRE(x <= T);
+    }
+  }
+}
+
 TEST_CASE("depthkv: profile files", "[allocators][depthkv]") {
   const alloc_test::TempFile good(
       "depthkv_good.json",
@@ -132,6 +215,70 @@ TEST_CASE("depthkv: profile files", "[allocators][depthkv]") {
   CHECK(bad(R"({"model": "NaN Infinity", "sensitivity": [1]})").model == "NaN Infinity");
   REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(profile=no_such_profile.json)"),
                       Contains("depthkv: cannot open profile 'no_such_profile.json'"));
+}
+
+TEST_CASE("depthkv: profile files with loss curves", "[allocators][depthkv]") {
+  const alloc_test::TempFile good(
+      "depthkv_curves.json",
+      R"({"layers": 2, "sensitivity": [0.2, 0.05], "curve_budgets": [0.1, 0.5],
+          "curves": [[1.0, 0.2], [0.1, 0.05]]})");
+  const LayerProfile p = load_layer_profile(good.path);
+  CHECK(p.curve_budgets == std::vector<double>{0.1, 0.5});
+  CHECK(p.curves == std::vector<std::vector<double>>{{1.0, 0.2}, {0.1, 0.05}});
+  const Policy marginal("snapkv(window=4) | depthkv(profile=" + good.path + ")");
+  const auto& d = std::get<DepthKV>(marginal.allocators().at(0));
+  CHECK(d.rule == DepthKV::Rule::marginal);
+  CHECK(d.n_knots == 2);
+  CHECK(d.knots[1] == 0.5f);
+  CHECK(d.loss[DepthKV::kMaxKnots + 1] == 0.05f);
+  CHECK(run(d, 2, 1000, 300, {}) == std::vector<std::int64_t>{500, 100});
+  // rule=proportional on the same file uses "sensitivity": 2 * 300 * s / 0.25 = 480, 120.
+  const Policy prop("snapkv(window=4) | depthkv(profile=" + good.path + ", rule=proportional)");
+  const auto& dp = std::get<DepthKV>(prop.allocators().at(0));
+  CHECK(dp.rule == DepthKV::Rule::proportional);
+  CHECK(run(dp, 2, 1000, 300, {}) == std::vector<std::int64_t>{480, 120});
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(profile=" + good.path + ", power=0.5)"),
+                      Contains("depthkv: power applies to rule=proportional only"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:2, rule=marginal)"),
+                      Contains("depthkv: rule=marginal needs loss curves"));
+  REQUIRE_THROWS_WITH(Policy("snapkv | depthkv(weights=1:2, rule=best)"),
+                      Contains("parameter 'rule' must be one of {marginal, proportional}"));
+
+  auto bad = [](const std::string& json) { return parse_layer_profile(json, "p.json"); };
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, 2], "curve_budgets": [0.1]})"),
+                      Contains("\"curve_budgets\" and \"curves\" come together"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curves": [[1]]})"),
+                      Contains("come together"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [], "curves": []})"),
+                      Contains("\"curve_budgets\" must be a non-empty array"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.5, 0.2],
+                              "curves": [[1, 2]]})"),
+                      Contains("\"curve_budgets\" must be strictly ascending (entry 1)"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [1.0], "curves": [[1]]})"),
+                      Contains("curve budget 0 (1.000000) is outside (0, 1)"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, 2], "curve_budgets": [0.1], "curves": [[1]]})"),
+                      Contains("\"curves\" must hold one row per layer (2)"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.1, 0.2], "curves": [[1]]})"),
+                      Contains("curve of layer 0 must hold one loss per curve budget (2)"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.1], "curves": [[NaN]]})"),
+                      Contains("curve of layer 0 at budget 0 is NaN"));
+  REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.1], "curves": [[-1]]})"),
+                      Contains("curve of layer 0 at budget 0 is negative"));
+  // More curve points than the allocator holds, and losses beyond a float.
+  LayerProfile many;
+  many.sensitivity = {1};
+  for (int k = 1; k <= 9; ++k) many.curve_budgets.push_back(k / 10.0);
+  many.curves = {std::vector<double>(9, 0.5)};
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(many, "m.json"),
+                      Contains("has loss curves at 9 budgets; at most 8 are supported"));
+  // Two budgets that a double tells apart and a float does not.
+  const auto close = bad(R"({"sensitivity": [1], "curve_budgets": [0.1, 0.10000000001],
+                             "curves": [[1, 1]]})");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(close, "c.json"),
+                      Contains("curve budgets must ascend strictly inside (0, 1) as floats"));
+  const auto huge = bad(R"({"sensitivity": [1], "curve_budgets": [0.1], "curves": [[1e300]]})");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(huge, "h.json"),
+                      Contains("loss of layer 0 at budget 0 is 1e+300"));
 }
 
 TEST_CASE("depthkv: the profile must match the model's layers", "[allocators][depthkv]") {
