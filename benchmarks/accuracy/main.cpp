@@ -119,7 +119,7 @@ void apply_suite(Options& o) {
     for (const char* scorer : {"snapkv", "h2o"})
       for (const std::string& chain :
            {std::string(), std::string(" | pyramid"), " | " + kProfile,
-            " | " + kProfile.substr(0, kProfile.size() - 1) + ",power=0.25)",
+            " | " + kProfile.substr(0, kProfile.size() - 1) + ",rule=proportional,power=0.25)",
             std::string(" | adakv"), std::string(" | ams")})
         o.policies.push_back(scorer + chain);
   } else if (s == "mergers") {

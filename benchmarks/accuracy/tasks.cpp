@@ -27,7 +27,7 @@ constexpr const char* kMark = "\x01KVPOLICY_USER_CONTENT\x01";
 }  // namespace
 
 std::string depthkv_stage(const std::string& profile_dir) {
-  return "depthkv(profile=" + profile_dir + "/SmolLM2-135M-Instruct.snapkv-0.2.json)";
+  return "depthkv(profile=" + profile_dir + "/SmolLM2-135M-Instruct.snapkv.json)";
 }
 
 std::vector<std::string> default_policies(const std::string& profile_dir) {

@@ -30,7 +30,8 @@ struct GridPoint {
   double budget = 1.0;  // ratio of the prompt
 };
 
-// The DepthKV stage with the bundled SmolLM2-135M profile of `profile_dir` (benchmarks/profiles).
+// The DepthKV stage with the bundled SmolLM2-135M profile of `profile_dir` (benchmarks/profiles):
+// snapkv's loss curves from kvpolicy_calibrate's defaults, so the marginal rule.
 std::string depthkv_stage(const std::string& profile_dir);
 // The default suite's policies (kvpolicy_accuracy's --policies default; kvpolicy_keptsets
 // checks them for determinism).
