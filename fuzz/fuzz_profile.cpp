@@ -8,8 +8,8 @@
 // - the values, the curves and the printable "model"/"scorer" names survive a round trip:
 //   written back as JSON (%.17g numbers) and parsed again, they are the same;
 // - the depthkv allocator accepts the profile exactly when it has at most DepthKV::kMaxLayers
-//   layers, at most DepthKV::kMaxKnots curve budgets and every value fits a float, and then
-//   holds every value as a finite float.
+//   layers, at most DepthKV::kMaxKnots curve budgets that stay strictly ascending inside (0, 1)
+//   as floats, and every value fits a float, and then holds every value as a finite float.
 // Rejections must be kvpolicy::Error; anything else, a crash or a sanitizer report, is a finding.
 #include <cmath>
 #include <cstddef>
@@ -100,6 +100,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   bool fits = static_cast<std::int64_t>(p.sensitivity.size()) <= kvpolicy::DepthKV::kMaxLayers &&
               static_cast<std::int64_t>(p.curve_budgets.size()) <= kvpolicy::DepthKV::kMaxKnots;
   for (double v : p.sensitivity) fits = fits && v <= std::numeric_limits<float>::max();
+  // The allocator holds the curve budgets as floats: they must stay inside (0, 1), ascending.
+  for (std::size_t k = 0; k < p.curve_budgets.size(); ++k) {
+    const auto bf = static_cast<float>(p.curve_budgets[k]);
+    fits = fits && bf > 0 && bf < 1 && (k == 0 || bf > static_cast<float>(p.curve_budgets[k - 1]));
+  }
   for (const auto& row : p.curves)
     for (double v : row) fits = fits && v <= std::numeric_limits<float>::max();
   try {

@@ -88,7 +88,14 @@ Options parse(int argc, char** argv) {
     KVP_REQUIRE(b > 0 && b < 1, "--budgets: each must be in (0, 1) (got ", b, ")");
   o.budgets.push_back(o.budget);
   std::sort(o.budgets.begin(), o.budgets.end());
-  o.budgets.erase(std::unique(o.budgets.begin(), o.budgets.end()), o.budgets.end());
+  // depthkv holds the fractions as floats: two that a float does not tell apart are one.
+  const auto same = [](double a, double b) {
+    return static_cast<float>(a) == static_cast<float>(b);
+  };
+  o.budgets.erase(std::unique(o.budgets.begin(), o.budgets.end(), same), o.budgets.end());
+  if (std::find(o.budgets.begin(), o.budgets.end(), o.budget) == o.budgets.end())
+    *std::find_if(o.budgets.begin(), o.budgets.end(),
+                  [&](double b) { return same(b, o.budget); }) = o.budget;
   KVP_REQUIRE(o.budgets.size() <= static_cast<std::size_t>(kvpolicy::DepthKV::kMaxKnots),
               "--budgets: at most ", kvpolicy::DepthKV::kMaxKnots,
               " distinct fractions (with --budget), got ", o.budgets.size());

@@ -80,7 +80,7 @@ LayerProfile parse_layer_profile(const std::string& text, const std::string& whe
     check(v.is_number(), "\"" + array + "\" expects numbers; " + what + " is " + v.dump());
     const double x = v.get<double>();
     check(std::isfinite(x), what + " is infinite");
-    check(x >= 0, what + " is negative (" + std::to_string(x) + ")");
+    check(x >= 0, what + " is negative (" + v.dump() + ")");
     return x;
   };
   for (std::size_t l = 0; l < sens->size(); ++l)
@@ -94,15 +94,15 @@ LayerProfile parse_layer_profile(const std::string& text, const std::string& whe
           "\"curve_budgets\" must be a non-empty array of kept fractions");
     for (std::size_t k = 0; k < knots->size(); ++k) {
       const double b = number((*knots)[k], "curve_budgets", "curve budget " + std::to_string(k));
-      check(b > 0 && b < 1, "curve budget " + std::to_string(k) + " (" + std::to_string(b) +
+      check(b > 0 && b < 1, "curve budget " + std::to_string(k) + " (" + (*knots)[k].dump() +
                                 ") is outside (0, 1)");
       check(p.curve_budgets.empty() || b > p.curve_budgets.back(),
             "\"curve_budgets\" must be strictly ascending (entry " + std::to_string(k) + ")");
       p.curve_budgets.push_back(b);
     }
     check(curves->is_array() && curves->size() == p.sensitivity.size(),
-          "\"curves\" must hold one row per layer (" + std::to_string(p.sensitivity.size()) +
-              ")");
+          "\"curves\" must be an array of one row per layer (" +
+              std::to_string(p.sensitivity.size()) + ")");
     for (std::size_t l = 0; l < curves->size(); ++l) {
       const auto& row = (*curves)[l];
       const std::string layer = "curve of layer " + std::to_string(l);

@@ -1,6 +1,7 @@
-// DepthKV: per-layer budgets in proportion to a sensitivity profile, clipped to [B_min, T] and
-// redistributed so they sum exactly; profile files (missing layers, NaN, negative values,
-// malformed JSON) rejected with messages naming the problem.
+// DepthKV: per-layer budgets in proportion to sensitivity (the proportional rule) or along the
+// layers' loss curves (the marginal rule), clipped to [B_min, T] and summing exactly; profile
+// files (missing layers, NaN, negative values, bad curves, malformed JSON) rejected with
+// messages naming the problem.
 #include <vector>
 
 #include "allocators/alloc_util.hpp"
@@ -255,9 +256,9 @@ TEST_CASE("depthkv: profile files with loss curves", "[allocators][depthkv]") {
                               "curves": [[1, 2]]})"),
                       Contains("\"curve_budgets\" must be strictly ascending (entry 1)"));
   REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [1.0], "curves": [[1]]})"),
-                      Contains("curve budget 0 (1.000000) is outside (0, 1)"));
+                      Contains("curve budget 0 (1.0) is outside (0, 1)"));
   REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1, 2], "curve_budgets": [0.1], "curves": [[1]]})"),
-                      Contains("\"curves\" must hold one row per layer (2)"));
+                      Contains("\"curves\" must be an array of one row per layer (2)"));
   REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.1, 0.2], "curves": [[1]]})"),
                       Contains("curve of layer 0 must hold one loss per curve budget (2)"));
   REQUIRE_THROWS_WITH(bad(R"({"sensitivity": [1], "curve_budgets": [0.1], "curves": [[NaN]]})"),
@@ -275,7 +276,13 @@ TEST_CASE("depthkv: profile files with loss curves", "[allocators][depthkv]") {
   const auto close = bad(R"({"sensitivity": [1], "curve_budgets": [0.1, 0.10000000001],
                              "curves": [[1, 1]]})");
   REQUIRE_THROWS_WITH(DepthKV::from_profile(close, "c.json"),
-                      Contains("curve budgets must ascend strictly inside (0, 1) as floats"));
+                      Contains("curve budgets must ascend strictly inside (0, 1) as floats "
+                               "(budget 1 is 0.10000000001000001, as a float 0.100000001)"));
+  // A budget that a float holds as 0 or 1.
+  const auto tiny = bad(R"({"sensitivity": [1], "curve_budgets": [1e-46], "curves": [[1]]})");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(tiny, "t.json"), Contains("as a float 0)"));
+  const auto near1 = bad(R"({"sensitivity": [1], "curve_budgets": [0.99999999], "curves": [[1]]})");
+  REQUIRE_THROWS_WITH(DepthKV::from_profile(near1, "n.json"), Contains("as a float 1)"));
   const auto huge = bad(R"({"sensitivity": [1], "curve_budgets": [0.1], "curves": [[1e300]]})");
   REQUIRE_THROWS_WITH(DepthKV::from_profile(huge, "h.json"),
                       Contains("loss of layer 0 at budget 0 is 1e+300"));

@@ -11,24 +11,26 @@
 //   them: every layer first gets max(r_1 T, B_min) (below the lowest measured fraction the
 //   curves say nothing, so the layers share equally: a mean budget under it is split uniformly),
 //   then the rest goes to the hull segments with the steepest loss decrease per token first
-//   (segments of equal slope share in proportion to their lengths). This is exact for
+//   (segments of equal slope share in proportion to their lengths). When B_min is above r_1 T,
+//   the curve starts at (B_min, f_l(B_min)), interpolated between the measured points, and the
+//   points below B_min are dropped before the hull is taken. This is exact for
 //   piecewise-linear convex losses that add up over layers; the losses of layers compressed
 //   together do not add up exactly, which is why the rule is checked on held-out text (README).
 //   Why it exists: one loss per layer at one budget (the proportional rule) starves layers whose
 //   loss at that budget happens to be small, and at a lower mean budget they fall below the
 //   point where their own loss rises steeply (measured: README, "DepthKV revisited").
 // Choices the sources leave open:
-// - Redistribution is water-filling: B_l = clip(c s_l, B_min, T) with the one scale c that makes
-//   them sum to L B, i.e. what a clipped layer gives up (or is owed) goes to the unclipped ones
-//   in proportion to their sensitivity. Then integers: alloc::round_to_total (exact sum, bounds
-//   kept). A profile of all zeros splits uniformly.
+// - Proportional rule: redistribution is water-filling: B_l = clip(c s_l, B_min, T) with the one
+//   scale c that makes them sum to L B, i.e. what a clipped layer gives up (or is owed) goes to
+//   the unclipped ones in proportion to their sensitivity. A profile of all zeros splits
+//   uniformly. Both rules then round with alloc::round_to_total (exact sum, bounds kept).
 // - B_min defaults to the tokens the chain protects (no layer can keep fewer); min_tokens=N
 //   raises it (never below the protected count).
 // - The profile (allocators/profile.hpp) must list exactly the model's layers: events carry the
 //   model's layer count (EventInfo::model_layers; the event's own layers when absent).
 // - Spec: depthkv(profile=path.json) reads the file when the policy is built; weights=a:b:c gives
 //   the values inline (colon-separated, for tests and quick experiments). One of them is required.
-// - power=p (default 1, the rule above) splits in proportion to s_l^p instead: p < 1 tempers a
+// - Proportional rule: power=p (default 1) splits in proportion to s_l^p: p < 1 tempers a
 //   profile whose values span orders of magnitude (the first SmolLM2 profile, snapkv-0.2.json,
 //   spans 115x, and the proportional rule then starves its least sensitive layers), p = 0 is
 //   uniform.
@@ -38,8 +40,10 @@
 // - power applies to the proportional rule only; rule=marginal without loss curves (weights=, or
 //   a profile without "curves") and power with rule=marginal are refused by name.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <span>
@@ -86,6 +90,12 @@ struct DepthKV {
     d.layers = static_cast<std::int64_t>(s.size());
     return d;
   }
+  // A number with `precision` significant digits (error messages about values that round).
+  static std::string digits(double v, int precision) {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
+    return buf;
+  }
   static DepthKV from_profile(const LayerProfile& p, const std::string& where) {
     const std::string w = "profile '" + where + "'";
     DepthKV d = from_values(p.sensitivity, w);
@@ -99,9 +109,9 @@ struct DepthKV {
       const double b = p.curve_budgets[static_cast<std::size_t>(k)];
       const auto bf = static_cast<float>(b);  // held as float: must still ascend strictly
       const bool ascends = k == 0 || bf > d.knots[static_cast<std::size_t>(k - 1)];
-      KVP_REQUIRE(b > 0 && bf < 1 && ascends, "depthkv: ", w,
+      KVP_REQUIRE(bf > 0 && bf < 1 && ascends, "depthkv: ", w,
                   ": curve budgets must ascend strictly inside (0, 1) as floats (budget ", k,
-                  " is ", b, ")");
+                  " is ", digits(b, 17), ", as a float ", digits(bf, 9), ")");
       d.knots[static_cast<std::size_t>(k)] = bf;
     }
     for (std::size_t l = 0; l < p.curves.size(); ++l) {
@@ -154,7 +164,8 @@ struct DepthKV {
                 "depthkv: rule=marginal needs loss curves (a profile with \"curve_budgets\" and "
                 "\"curves\", written by kvpolicy_calibrate --budgets)");
     KVP_REQUIRE(d.rule == Rule::proportional || !p.contains("power"),
-                "depthkv: power applies to rule=proportional only");
+                "depthkv: power applies to rule=proportional only (add rule=proportional to use "
+                "it with a curve profile)");
     d.power = p.get_double("power", 1.0);
     KVP_REQUIRE(std::isfinite(d.power) && d.power >= 0, "depthkv: power must be >= 0, got ",
                 d.power);
