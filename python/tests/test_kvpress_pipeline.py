@@ -121,14 +121,23 @@ def _kept_sets(m, full: DynamicCache, cache: DynamicCache):
 
 # The README policy table's specs that the adapter accepts (scorers, and allocators after
 # snapkv); mergers and quantizers are refused (test_refused).
-_PROFILE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "profiles",
-                        "SmolLM2-135M-Instruct.snapkv-0.2.json")
+_PROFILES = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "profiles")
+# The proportional rule (one sensitivity per layer) and the marginal rule (loss curves).
+_PROFILE = os.path.abspath(os.path.join(_PROFILES, "SmolLM2-135M-Instruct.snapkv-0.2.json"))
+_CURVES = os.path.abspath(os.path.join(_PROFILES, "SmolLM2-135M-Instruct.snapkv.json"))
 ACCEPTED = ["snapkv", "h2o", "streaming", "tova", "knorm", "keydiff", "expected", "snapkv | uniform",
-            "snapkv | pyramid", f"snapkv | depthkv(profile={os.path.abspath(_PROFILE)})",
+            "snapkv | pyramid", f"snapkv | depthkv(profile={_PROFILE})",
+            f"snapkv | depthkv(profile={_CURVES})",
             "snapkv | adakv", "snapkv | ams", "snapkv(preset=kvpress)", "snapkv | pyramid | adakv"]
 
 
-@pytest.mark.parametrize("spec", ACCEPTED, ids=[s.split("(profile=")[0] for s in ACCEPTED])
+def _spec_id(spec):
+    """Test id: the spec, with a profile path shortened to its file name."""
+    head, sep, rest = spec.partition("(profile=")
+    return head + sep + os.path.basename(rest) if sep else spec
+
+
+@pytest.mark.parametrize("spec", ACCEPTED, ids=[_spec_id(s) for s in ACCEPTED])
 def test_every_accepted_spec_runs_in_the_pipeline(pipe, spec):
     T = _context_ids(pipe).shape[1]
     n_keep = max(1, int(T * (1 - RATIO)))
