@@ -36,6 +36,24 @@ std::vector<std::int64_t> run(const DepthKV& d, std::int64_t L, std::int64_t T, 
   return budgets;
 }
 
+// Random per-row budgets over a random protection, allocated by `d`: the total must be kept
+// exactly and every budget must stay in [protected, T].
+void check_conserves(const DepthKV& d, kvtest::Rng& rng, std::int64_t L, std::int64_t H,
+                     std::int64_t T) {
+  const Protect prot{rng.integer(0, 4), rng.integer(0, 40)};
+  const std::int64_t lo = prot.total(T);
+  ScoreMap sm(L, H, T);
+  std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
+  for (auto& x : b) x = rng.integer(lo, T);
+  const std::int64_t total = alloc_test::sum(b);
+  d.allocate(context(sm, prot), b);
+  REQUIRE(alloc_test::sum(b) == total);
+  for (auto x : b) {
+    REQUIRE(x >= lo);
+    REQUIRE(x <= T);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("depthkv: budgets in proportion to sensitivity, by hand", "[allocators][depthkv]") {
@@ -89,19 +107,8 @@ TEST_CASE("depthkv: random profiles conserve the budget exactly", "[allocators][
     std::vector<double> s(static_cast<std::size_t>(L));
     for (auto& x : s) x = rng.integer(0, 4) == 0 ? 0.0 : rng.uniform(0, 5);  // zeros and spikes
     if (rng.integer(0, 3) == 0) s[static_cast<std::size_t>(rng.integer(0, L - 1))] = 1e6;
-    const Protect prot{rng.integer(0, 4), rng.integer(0, 40)};
-    const std::int64_t lo = prot.total(T);
-    ScoreMap sm(L, H, T);
-    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
-    for (auto& x : b) x = rng.integer(lo, T);
-    const std::int64_t total = alloc_test::sum(b);
     INFO("L=" << L << " H=" << H << " T=" << T);
-    profile(s).allocate(context(sm, prot), b);
-    REQUIRE(alloc_test::sum(b) == total);
-    for (auto x : b) {
-      REQUIRE(x >= lo);
-      REQUIRE(x <= T);
-    }
+    check_conserves(profile(s), rng, L, H, T);
   }
 }
 
@@ -163,19 +170,8 @@ TEST_CASE("depthkv: the marginal rule conserves the budget exactly on random cur
     for (auto& row : f)
       for (std::int64_t k = 0; k < K; ++k)
         row.push_back(rng.integer(0, 5) == 0 ? 0.0 : rng.uniform(0, 2));  // any shape, zeros
-    const Protect prot{rng.integer(0, 4), rng.integer(0, 40)};
-    const std::int64_t lo = prot.total(T);
-    ScoreMap sm(L, H, T);
-    std::vector<std::int64_t> b(static_cast<std::size_t>(L * H));
-    for (auto& x : b) x = rng.integer(lo, T);
-    const std::int64_t total = alloc_test::sum(b);
     INFO("L=" << L << " H=" << H << " T=" << T << " K=" << K);
-    curves(knots, f).allocate(context(sm, prot), b);
-    REQUIRE(alloc_test::sum(b) == total);
-    for (auto x : b) {
-      REQUIRE(x >= lo);
-      REQUIRE(x <= T);
-    }
+    check_conserves(curves(knots, f), rng, L, H, T);
   }
 }
 
